@@ -1,0 +1,56 @@
+# syncbn-lab — `make help` lists the targets.
+SHELL := /bin/bash
+PY_SYS ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+TORCH_PINS := torch==2.14.1 torchvision==0.29.1
+# Extra Hydra overrides for train/sweep, e.g. `make train ARGS="bn=sync trainer.epochs=2"`.
+ARGS ?=
+PARALLEL ?= emulated
+SWEEP_DIR ?= multirun/bn_vs_syncbn
+
+.DEFAULT_GOAL := help
+.PHONY: help setup train test test-fast lint format build-ext bench sweep sweep-smoke report clean
+
+help: ## List every target with one line each
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+# The stamp depends on pyproject.toml, so a second call reinstalls nothing unless it changed.
+$(VENV)/.stamp-torch:
+	$(PY_SYS) -m venv $(VENV)
+	$(PIP) install --upgrade --quiet pip
+	$(PIP) install --quiet $(TORCH_PINS)
+	touch $@
+
+$(VENV)/.stamp-install: pyproject.toml setup.py $(VENV)/.stamp-torch
+	$(PIP) install --quiet --no-build-isolation -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.stamp-install ## Create .venv (torch, then this package with dev extras); idempotent
+
+train: setup ## Train the default job (resnet8 on MNIST, single device); ARGS= adds Hydra overrides
+	$(PY) scripts/train.py $(ARGS)
+
+test: setup ## Run the whole test suite (slow tests included)
+	$(PY) -m pytest -q $(ARGS)
+
+test-fast: setup ## Run the tests not marked slow
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+lint: setup ## ruff check and format check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup ## ruff format and autofix
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+build-ext: setup ## Rebuild the C++/CUDA extension syncbn_lab._C in place
+	$(PIP) install --quiet --no-build-isolation --no-deps -e .
+
+bench: setup ## Run the benchmark scripts (prints tables; not tests)
+	$(PY) scripts/bench_train.py
+
+clean: ## Remove build products (keeps .venv, data and runs)
+	rm -rf build dist src/*.egg-info src/syncbn_lab/*.so

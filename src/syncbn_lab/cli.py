@@ -1,0 +1,63 @@
+"""Command-line helpers: user errors become one line and a non-zero exit, not a traceback."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+from syncbn_lab.errors import UserError
+
+# Hydra flags after which the remaining arguments are not a plain single run.
+_NOT_A_PLAIN_RUN = {"--multirun", "-m", "--cfg", "-c", "--help", "-h", "--hydra-help", "--info"}
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [UserError]
+    with contextlib.suppress(ImportError):
+        from syncbn_lab.data import DataError
+
+        types.append(DataError)
+    return tuple(types)
+
+
+@contextlib.contextmanager
+def exit_on_user_error():
+    try:
+        yield
+    except user_error_types() as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def precheck(config_dir: str, args: list[str]) -> None:
+    """Compose the config once before Hydra does, so a bad override or an unwritable run
+    dir is reported as one line (Hydra's own reports span several lines)."""
+    if any(a.split("=")[0] in _NOT_A_PLAIN_RUN for a in args):
+        return
+    overrides = [a for a in args if not a.startswith("-")]
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+            run_dir = Path(str(cfg.hydra.run.dir))
+    except Exception as e:  # Hydra's override, missing-option and interpolation errors
+        message = " ".join(str(e).split())
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        GlobalHydra.instance().clear()
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK):
+        print(
+            f"error: cannot write the run dir {run_dir} ({existing} is not writable); "
+            "point hydra.run.dir at a writable folder",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(2)

@@ -1,0 +1,41 @@
+"""Evaluation: loss and accuracy over a loader, summed across ranks."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from syncbn_lab.parallel.context import Runtime
+
+
+def autocast(device: torch.device, precision: str):
+    """The autocast context for trainer.precision (fp32 = none)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, rt: Runtime, precision: str) -> dict[str, float]:
+    """Mean loss and accuracy (percent) over every sample of ``loader`` on all ranks."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=rt.device)  # loss sum, correct, count
+    for images, labels in loader:
+        images = images.to(rt.device, non_blocking=True)
+        labels = labels.to(rt.device, non_blocking=True)
+        with autocast(rt.device, precision):
+            logits = model(images)
+        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        totals[1] += (logits.argmax(1) == labels).sum()
+        totals[2] += labels.numel()
+    rt.all_reduce_sum(totals)
+    model.train(was_training)
+    loss_sum, correct, count = totals.tolist()
+    count = max(count, 1.0)
+    return {"loss": loss_sum / count, "acc": 100.0 * correct / count, "count": int(count)}

@@ -1,0 +1,104 @@
+"""Batches that reach each device exactly as DistributedSampler would hand them to ranks.
+
+A real DDP rank and an emulating process both draw their batches from the same function:
+device ``d`` gets DistributedSampler(num_replicas=total_devices, rank=d) indices, cut into
+per-device batches; a process holding several devices concatenates its devices' batches in
+device order. So slice d of an emulated global batch i is exactly rank d's batch i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from syncbn_lab.parallel.context import Runtime
+
+
+class DeviceBatchSampler(Sampler[list[int]]):
+    """Yields this process's batches: per-device batches of its devices, concatenated.
+
+    The last incomplete per-device batch is dropped (every device takes the same number
+    of optimizer steps, as with DataLoader(drop_last=True) under DDP).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        per_device_batch_size: int,
+        total_devices: int,
+        device_ranks: list[int],
+        seed: int,
+        shuffle: bool = True,
+    ):
+        self.per_device_batch_size = per_device_batch_size
+        self.samplers = [
+            DistributedSampler(
+                dataset, num_replicas=total_devices, rank=r, shuffle=shuffle, seed=seed
+            )
+            for r in device_ranks
+        ]
+
+    def set_epoch(self, epoch: int) -> None:
+        for sampler in self.samplers:
+            sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return self.samplers[0].num_samples // self.per_device_batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        shards = [list(sampler) for sampler in self.samplers]
+        b = self.per_device_batch_size
+        for i in range(len(self)):
+            yield [index for shard in shards for index in shard[i * b : (i + 1) * b]]
+
+
+class ShardSampler(Sampler[int]):
+    """Evaluation indices of one rank: rank r takes r, r+W, ...; no padding, so every
+    sample is counted exactly once across ranks (DistributedSampler would pad)."""
+
+    def __init__(self, length: int, rank: int, world_size: int):
+        self.indices = range(rank, length, world_size)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+
+def train_loader(
+    dataset: Dataset, rt: Runtime, per_device_batch_size: int, seed: int, num_workers: int
+) -> DataLoader:
+    sampler = DeviceBatchSampler(
+        dataset, per_device_batch_size, rt.total_devices, rt.local_device_ranks, seed
+    )
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        pin_memory=rt.device.type == "cuda",
+    )
+
+
+def eval_loader(dataset: Dataset, rt: Runtime, batch_size: int, num_workers: int) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=ShardSampler(len(dataset), rt.rank, rt.world_size),
+        num_workers=num_workers,
+        pin_memory=rt.device.type == "cuda",
+    )
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and CUDA) and Python's and numpy's generators."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -1,0 +1,125 @@
+"""One training run: compose the parts the config names and fit.
+
+``run(cfg, run_dir)`` is the whole job; ``scripts/train.py`` only composes the config.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from syncbn_lab import models
+from syncbn_lab.config import validate
+from syncbn_lab.engine import checkpoint
+from syncbn_lab.engine.loop import Loaders, Trainer
+from syncbn_lab.engine.optim import build_optimizer
+from syncbn_lab.errors import ConfigError
+from syncbn_lab.logging import NullLogger, RunLogger
+from syncbn_lab.nn.registry import norm_layer
+from syncbn_lab.parallel import launch
+from syncbn_lab.parallel.context import Runtime
+from syncbn_lab.parallel.sampling import eval_loader, seed_everything, train_loader
+
+RUN_FILES = ("metrics.jsonl", "summary.json")
+
+
+def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
+    """Train as ``cfg`` says, writing outputs into ``run_dir``; return the summary."""
+    run_dir = Path(run_dir)
+    validate(cfg)
+    taken = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if taken:
+        raise ConfigError(
+            f"{run_dir} already holds a run ({', '.join(taken)}); choose a new "
+            "hydra.run.dir (or resume with trainer.resume=<that dir> into a new one)"
+        )
+    if cfg.trainer.resume:
+        checkpoint.resolve(cfg.trainer.resume)  # fail now, not after the processes start
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write the run dir {run_dir} ({e.strerror}); point hydra.run.dir at a "
+            "writable folder"
+        ) from e
+    return launch(cfg, worker, run_dir)
+
+
+def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Everything one process does: data, model, optimizer, fit, summary (rank 0)."""
+    from syncbn_lab.data import build_datasets
+
+    started = time.perf_counter()
+    t = cfg.trainer
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    if t.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+    seed_everything(t.seed)
+
+    splits = build_datasets(cfg.data)
+    norm = norm_layer(cfg.bn, emulated_devices=rt.devices_per_process)
+    model = models.build(cfg.model, norm, splits.num_classes, splits.in_channels).to(rt.device)
+    optimizer = build_optimizer(cfg.optim, model)
+    per_device = cfg.derived.per_device_batch_size
+    loaders = Loaders(
+        train=train_loader(splits.train, rt, per_device, t.seed, t.num_workers),
+        val=eval_loader(splits.val, rt, t.eval_batch_size, t.num_workers),
+        test=eval_loader(splits.test, rt, t.eval_batch_size, t.num_workers),
+    )
+    if len(loaders.train) < t.accumulate:
+        raise ConfigError(
+            f"the training set ({len(splits.train)} images) gives no full step of "
+            f"trainer.global_batch_size={t.global_batch_size}; use a smaller global batch"
+        )
+
+    logger = RunLogger(run_dir, cfg) if rt.is_main else NullLogger()
+    exit_code = 1
+    try:
+        trainer = Trainer(cfg, rt, model, model, optimizer, loaders, logger, run_dir)
+        if t.resume:
+            trainer.load_state_dict(checkpoint.load(checkpoint.resolve(t.resume), rt.device))
+        result = trainer.fit()
+        summary = {
+            **result,
+            "wall_time_s": time.perf_counter() - started,
+            "global_batch_size": t.global_batch_size,
+            "per_device_batch_size": per_device,
+            "accumulate": t.accumulate,
+            "devices": cfg.parallel.devices,
+            "parallel": cfg.parallel.name,
+            "bn": cfg.bn.name,
+            "dataset": cfg.data.name,
+            "model": cfg.model.name,
+            "seed": t.seed,
+            "resumed_from": str(t.resume) if t.resume else None,
+            "git_commit": git_commit(),
+            "torch_version": torch.__version__,
+        }
+        logger.summary(summary)
+        exit_code = 0
+        return summary
+    finally:
+        logger.finish(exit_code)
+
+
+def git_commit() -> str | None:
+    """The commit of this source tree, or None outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
