@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from pathlib import Path
 
@@ -50,14 +49,7 @@ def precheck(config_dir: str, args: list[str]) -> None:
         sys.exit(2)
     finally:
         GlobalHydra.instance().clear()
-    existing = run_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not os.access(existing, os.W_OK):
-        print(
-            f"error: cannot write the run dir {run_dir} ({existing} is not writable); "
-            "point hydra.run.dir at a writable folder",
-            file=sys.stderr,
-            flush=True,
-        )
-        sys.exit(2)
+    from syncbn_lab.train import check_run_dir
+
+    with exit_on_user_error():
+        check_run_dir(run_dir)

@@ -6,6 +6,8 @@ any process starts or any file is written.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -77,3 +79,15 @@ def resolve_device(name: str) -> str:
 def _positive(value, key: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{key}={value} must be a positive integer")
+
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def compose(overrides: list[str] | None = None) -> DictConfig:
+    """The config scripts/train.py would get for ``overrides`` (for tests and benchmarks)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides or []))

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -32,12 +33,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Train as ``cfg`` says, writing outputs into ``run_dir``; return the summary."""
     run_dir = Path(run_dir)
     validate(cfg)
-    taken = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if taken:
-        raise ConfigError(
-            f"{run_dir} already holds a run ({', '.join(taken)}); choose a new "
-            "hydra.run.dir (or resume with trainer.resume=<that dir> into a new one)"
-        )
+    check_run_dir(run_dir)
     if cfg.trainer.resume:
         checkpoint.resolve(cfg.trainer.resume)  # fail now, not after the processes start
     try:
@@ -49,6 +45,24 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             "writable folder"
         ) from e
     return launch(cfg, worker, run_dir)
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse a run dir that already holds a run or cannot be written, touching nothing."""
+    taken = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if taken:
+        raise ConfigError(
+            f"{run_dir} already holds a run ({', '.join(taken)}); choose a new "
+            "hydra.run.dir (or resume with trainer.resume=<that dir> into a new one)"
+        )
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not (existing.is_dir() and os.access(existing, os.W_OK)):
+        raise ConfigError(
+            f"cannot write the run dir {run_dir} ({existing} is not a writable folder); "
+            "point hydra.run.dir at a writable folder"
+        )
 
 
 def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:

@@ -155,9 +155,9 @@ class Trainer:
             for _ in range(self.steps_per_epoch):
                 if state.step >= self.total_steps:
                     break
+                t0 = time.perf_counter()  # data loading counts towards images/s
                 micro = [next(batches) for _ in range(self.accumulate)]
                 lr = self.set_lr()
-                t0 = time.perf_counter()
                 totals = self.train_step(micro)
                 elapsed = time.perf_counter() - t0
                 state.step += 1

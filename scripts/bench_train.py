@@ -1,0 +1,120 @@
+"""Training-speed and quality benchmark (a script, not a test).
+
+Part 1 (always): the engine's images/s against a minimal hand-written PyTorch loop on the
+same model, data and batch size, measured side by side in one process, alternating rounds;
+prints both figures and the ratio (target: >= 0.9).
+
+Part 2 (--full): the default `make train` job (resnet8, MNIST, 1 epoch) as a subprocess;
+prints wall time and test accuracy (targets: <= 240 s, >= 99.0 %).
+
+    python scripts/bench_train.py [--steps 100] [--rounds 3] [--full] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def engine_images_per_s(steps: int, overrides: list[str]) -> float:
+    from syncbn_lab.config import compose as compose_config
+    from syncbn_lab.train import run
+
+    cfg = compose_config(
+        [*overrides, "logger=none", f"trainer.max_steps={steps}", f"trainer.log_every={steps}"]
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        return run(cfg, tmp)["images_per_s"]
+
+
+def hand_written_images_per_s(steps: int, overrides: list[str]) -> float:
+    """The loop a person would write: a DataLoader, forward, loss, backward, step."""
+    from syncbn_lab import models
+    from syncbn_lab.config import compose as compose_config
+    from syncbn_lab.data import build_datasets
+    from syncbn_lab.nn.registry import norm_layer
+
+    cfg = compose_config(overrides)
+    torch.manual_seed(0)
+    splits = build_datasets(cfg.data)
+    model = models.build(cfg.model, norm_layer(cfg.bn), splits.num_classes, splits.in_channels)
+    opt = torch.optim.SGD(
+        model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4
+    )
+    batch = cfg.trainer.global_batch_size
+    loader = torch.utils.data.DataLoader(
+        splits.train, batch_size=batch, shuffle=True, drop_last=True
+    )
+    model.train()
+    start = time.perf_counter()
+    for i, (x, y) in enumerate(loader):
+        if i == steps:
+            break
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return steps * batch / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--full", action="store_true", help="also time the default make train")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for both loops")
+    args = parser.parse_args()
+
+    engine, hand = [], []
+    for _ in range(args.rounds):
+        hand.append(hand_written_images_per_s(args.steps, args.overrides))
+        engine.append(engine_images_per_s(args.steps, args.overrides))
+    result = {
+        "engine_images_per_s": statistics.median(engine),
+        "hand_written_images_per_s": statistics.median(hand),
+        "threads": torch.get_num_threads(),
+    }
+    result["ratio"] = result["engine_images_per_s"] / result["hand_written_images_per_s"]
+    print(f"{'loop':<14}{'images/s (median of ' + str(args.rounds) + ')':>28}")
+    print(f"{'hand-written':<14}{result['hand_written_images_per_s']:>28.1f}")
+    print(f"{'engine':<14}{result['engine_images_per_s']:>28.1f}")
+    print(f"engine / hand-written = {result['ratio']:.3f}  (target >= 0.90)")
+
+    if args.full:
+        with tempfile.TemporaryDirectory() as tmp:
+            start = time.perf_counter()
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(ROOT / "scripts/train.py"),
+                    "logger=none",
+                    f"hydra.run.dir={tmp}/run",
+                    *args.overrides,
+                ],
+                check=True,
+            )
+            wall = time.perf_counter() - start
+            summary = json.loads((Path(tmp) / "run" / "summary.json").read_text())
+        result.update(full_wall_time_s=wall, full_test_acc=summary["test_acc"])
+        print(
+            f"default make train: {wall:.1f} s wall (target <= 240), "
+            f"test accuracy {summary['test_acc']:.2f} % (target >= 99.0)"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

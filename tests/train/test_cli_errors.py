@@ -1,0 +1,82 @@
+"""Bad input from the command line: one line naming the problem and the fix, exit 2,
+and nothing already written is touched."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY
+
+TRAIN = str(ROOT / "scripts" / "train.py")
+
+
+def train(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "override,fragments",
+    [
+        ("trainer.nonexistent=1", ["trainer.nonexistent", "+trainer.nonexistent=1"]),
+        ("bn=nosuch", ["bn/nosuch", "Available options"]),
+        ("trainer.global_batch_size=0", ["trainer.global_batch_size=0", "positive"]),
+        ("trainer.epochs=-1", ["trainer.epochs=-1", "positive"]),
+        ("trainer.global_batch_size=30", ["not divisible"]),
+    ],
+)
+def test_bad_config_is_one_line(tmp_path, override, fragments):
+    if override == "trainer.global_batch_size=30":
+        override = "trainer.global_batch_size=30"
+        extra = ["parallel=emulated", "parallel.devices=4"] if _has_emulated() else []
+        if not extra:
+            pytest.skip("needs parallel=emulated")
+    else:
+        extra = []
+    result = train(*TINY, *extra, override, f"hydra.run.dir={tmp_path / 'run'}")
+    assert_one_line_error(result, *fragments)
+
+
+def _has_emulated():
+    return (ROOT / "configs" / "parallel" / "emulated.yaml").exists()
+
+
+def test_missing_data_is_one_line(tmp_path):
+    result = train(
+        "data=cifar10",
+        f"data.root={tmp_path / 'nodata'}",
+        "data.download=false",
+        "logger=none",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    assert_one_line_error(result, "cifar")
+
+
+def test_unwritable_output_dir_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file, not a folder")
+    result = train(*TINY, f"hydra.run.dir={blocker / 'run'}")
+    assert_one_line_error(result, "cannot write the run dir", "hydra.run.dir")
+
+
+def test_existing_run_dir_is_untouched(tmp_path):
+    run_dir = tmp_path / "run"
+    first = train(*TINY, "trainer.max_steps=2", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    second = train(*TINY, "trainer.max_steps=2", f"hydra.run.dir={run_dir}")
+    assert_one_line_error(second, "already holds a run")
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert before == after
+    assert Path(run_dir / "summary.json").exists()
