@@ -1,0 +1,35 @@
+"""Write the report of a sweep: `python scripts/report.py SWEEP_DIR [SWEEP_DIR ...]`.
+
+Reads every finished run (summary.json, metrics.jsonl) under the sweep dirs and writes
+results.csv, README.md and PNG plots into --out (default reports/bn_vs_syncbn).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from syncbn_lab.cli import exit_on_user_error
+from syncbn_lab.report import collect_runs, write_report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dirs", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("reports/bn_vs_syncbn"))
+    parser.add_argument("--title", default="BatchNorm vs SyncBatchNorm across device counts")
+    parser.add_argument(
+        "--wall-time-s",
+        type=float,
+        default=None,
+        help="wall time of the sweep, to state in the report",
+    )
+    args = parser.parse_args()
+    with exit_on_user_error():
+        runs = collect_runs(*args.sweep_dirs)
+        write_report(runs, args.out, args.title, args.wall_time_s)
+    print(f"{len(runs)} runs -> {args.out}/README.md, results.csv, *.png")
+
+
+if __name__ == "__main__":
+    main()
