@@ -255,7 +255,7 @@ def _plots(runs: list[Run], out_dir: Path) -> list[str]:
                 continue
             label = f"{v} ({'EMA' if attr == 'test_error' else 'PreciseBN'})"
             # the lower bar is clipped so a log axis never sees an error <= 0
-            lower = [min(s, 0.9 * m) for m, s in stats_]
+            lower = [max(0.0, min(s, 0.9 * m)) for m, s in stats_]
             ax.errorbar(
                 xs,
                 [m for m, _ in stats_],
