@@ -1,0 +1,30 @@
+"""BatchNorm math and layers: per-device BN, SyncBN over any communicator, conversion helpers.
+
+``functional.batch_norm`` is the reference (hand-written forward and backward);
+``BatchNorm``/``SyncBatchNorm`` are the modules; ``comm`` holds the communicators that are the
+only difference between real DDP and the single-process emulation of N devices.
+"""
+
+from syncbn_lab.nn.comm import (
+    Communicator,
+    LocalCommunicator,
+    ProcessGroupCommunicator,
+    communicator_for,
+    subgroup_for,
+)
+from syncbn_lab.nn.convert import convert_sync_batchnorm, revert_sync_batchnorm
+from syncbn_lab.nn.functional import batch_norm
+from syncbn_lab.nn.sync_batchnorm import BatchNorm, SyncBatchNorm
+
+__all__ = [
+    "BatchNorm",
+    "Communicator",
+    "LocalCommunicator",
+    "ProcessGroupCommunicator",
+    "SyncBatchNorm",
+    "batch_norm",
+    "communicator_for",
+    "convert_sync_batchnorm",
+    "revert_sync_batchnorm",
+    "subgroup_for",
+]

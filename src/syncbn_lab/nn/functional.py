@@ -1,0 +1,412 @@
+"""Reference BatchNorm and SyncBatchNorm: the formulas of docs/batchnorm.md in plain torch ops.
+
+The input is seen as ``devices`` × per-device batch: ``x`` of shape (N, C, *spatial) is D equal
+consecutive slices, slice d being what device d holds. Statistics are computed per slice and
+then reduced:
+
+- ``comm is None``: per-device BatchNorm. Every slice is normalised with its own statistics
+  (what DataParallel and DDP do with a plain BatchNorm). No communication.
+- ``comm`` given: SyncBatchNorm. The slices' statistics are summed over the device axis and
+  then over the ranks of ``comm`` with one all_reduce in forward and one in backward.
+
+Real DDP (one slice per rank, a process group communicator) and the single-process emulation
+(D slices, a :class:`~syncbn_lab.nn.comm.LocalCommunicator`) run the same lines below; only
+the communicator differs.
+
+Notation used in comments (per channel): n = values per slice, m = values that share the
+statistics (the global count), K = per-slice pivot, t = x - K, mu = mean, M2 = sum((x - mu)^2),
+invstd = 1/sqrt(var + eps), xhat = (x - mu) * invstd, y = gamma * xhat + beta.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from syncbn_lab.nn.comm import Communicator
+
+__all__ = ["IMPLS", "batch_norm"]
+
+IMPLS = ("auto", "reference", "fused")
+"""Accepted values of ``impl``. Everything runs the reference until fused kernels exist."""
+
+_HALF_TYPES = (torch.float16, torch.bfloat16)
+
+
+def batch_norm(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    *,
+    training: bool,
+    momentum: float | None,
+    eps: float,
+    num_batches_tracked: Tensor | None = None,
+    devices: int = 1,
+    comm: Communicator | None = None,
+    group_size: int | None = None,
+    impl: str = "auto",
+) -> Tensor:
+    """BatchNorm of ``x`` seen as ``devices`` slices, synchronised through ``comm`` if given.
+
+    Args:
+        x: (N, C, *spatial) with 0 to 3 spatial dims, any memory format (kept in the output),
+            float64/float32/float16/bfloat16 (statistics in float32 for the half types).
+        weight, bias: per-channel affine parameters or ``None``.
+        running_mean, running_var: updated in place in training when given (from the
+            statistics of device 0); used for normalisation when ``training`` is False.
+        training: normalise with batch statistics (True) or with the running ones (False).
+        momentum: running-average factor; ``None`` = cumulative average 1/num_batches_tracked
+            (the caller increments ``num_batches_tracked`` first, as torch's modules do).
+        eps: added to the variance.
+        devices: D; the batch is D equal consecutive slices (N % D == 0 in training).
+        comm: ``None`` = per-device BN; a communicator = SyncBN over the slices and its ranks.
+        group_size: with ``comm``: how many consecutive slices share statistics (default all
+            D). Groups of fewer than D slices are only allowed with a world of one rank.
+        impl: "auto" | "reference" | "fused"; resolved by :func:`_backend`.
+
+    Raises:
+        ValueError: bad shapes (before any collective), or one value per channel in training
+            (decided after the all_reduce, so every rank raises together).
+    """
+    groups_of = _check_args(
+        x,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        training=training,
+        momentum=momentum,
+        num_batches_tracked=num_batches_tracked,
+        devices=devices,
+        comm=comm,
+        group_size=group_size,
+    )
+    return _backend(impl)(
+        x,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        num_batches_tracked,
+        training,
+        momentum,
+        eps,
+        devices,
+        groups_of,
+        comm,
+    )
+
+
+def _backend(impl: str) -> Callable[..., Tensor]:
+    """The single dispatch point from ``impl`` to an implementation of :func:`batch_norm`.
+
+    Every implementation takes the positional arguments of :func:`_reference_batch_norm`.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"unknown BatchNorm impl {impl!r}; choose one of {', '.join(IMPLS)}")
+    # "fused" runs the reference until the fused kernels are registered here.
+    return _reference_batch_norm
+
+
+def _reference_batch_norm(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    num_batches_tracked: Tensor | None,
+    training: bool,
+    momentum: float | None,
+    eps: float,
+    devices: int,
+    group_size: int,
+    comm: Communicator | None,
+) -> Tensor:
+    return _BatchNormFunction.apply(
+        x,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        num_batches_tracked,
+        training,
+        momentum,
+        eps,
+        devices,
+        group_size,
+        comm,
+    )
+
+
+def _check_args(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    *,
+    training: bool,
+    momentum: float | None,
+    num_batches_tracked: Tensor | None,
+    devices: int,
+    comm: Communicator | None,
+    group_size: int | None,
+) -> int:
+    """Every check a rank can make on its own, before any collective. Returns the group size."""
+    if not 2 <= x.dim() <= 5:
+        raise ValueError(f"BatchNorm expects 2-D to 5-D input (N, C, ...), got {x.dim()}-D")
+    if not torch.is_floating_point(x):
+        raise ValueError(f"BatchNorm expects floating-point input, got {x.dtype}")
+    channels = x.shape[1]
+    for name, t in (
+        ("weight", weight),
+        ("bias", bias),
+        ("running_mean", running_mean),
+        ("running_var", running_var),
+    ):
+        if t is not None and t.shape != (channels,):
+            raise ValueError(
+                f"BatchNorm {name} has shape {tuple(t.shape)} but the input has {channels} "
+                f"channels (input shape {tuple(x.shape)})"
+            )
+    if not training:
+        if running_mean is None or running_var is None:
+            raise ValueError("BatchNorm with training=False needs running_mean and running_var")
+        return 1
+    if devices < 1:
+        raise ValueError(f"devices must be >= 1, got {devices}")
+    if x.shape[0] % devices != 0:
+        raise ValueError(
+            f"batch of {x.shape[0]} samples cannot be split into {devices} equal device "
+            f"slices; make the batch size a multiple of {devices}"
+        )
+    if running_mean is not None and momentum is None and num_batches_tracked is None:
+        raise ValueError("momentum=None (cumulative average) needs num_batches_tracked")
+    if comm is None:
+        if group_size not in (None, 1):
+            raise ValueError("group_size > 1 needs a communicator (comm)")
+        return 1  # per-device BN: each slice is its own group
+    group_size = devices if group_size is None else group_size
+    if group_size < 1 or devices % group_size != 0:
+        raise ValueError(f"group_size={group_size} must divide devices={devices}")
+    if group_size != devices and comm.world_size > 1:
+        raise ValueError(
+            "synchronising groups of fewer slices than devices needs a world of one rank; "
+            f"got group_size={group_size}, devices={devices}, world_size={comm.world_size}"
+        )
+    return group_size
+
+
+class _BatchNormFunction(torch.autograd.Function):
+    """BN / SyncBN forward and the hand-written backward of docs/batchnorm.md."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        num_batches_tracked: Tensor | None,
+        training: bool,
+        momentum: float | None,
+        eps: float,
+        devices: int,
+        group_size: int,
+        comm: Communicator | None,
+    ) -> Tensor:
+        compute = torch.float32 if x.dtype in _HALF_TYPES else x.dtype
+        if not training:
+            devices = group_size = 1  # running statistics are the same for every slice
+        shape = _SliceShape(x, devices)
+        xs = shape.view(x)
+        xhat = torch.empty_like(x, dtype=compute)  # holds t = x - K first, then xhat in place
+        t = shape.view(xhat)
+        y = torch.empty_like(x)
+        # Full-size scratch in the compute dtype: y itself unless y is fp16/bf16.
+        scratch = shape.view(y if y.dtype == compute else torch.empty_like(xhat))
+
+        if training:
+            # Per-slice moments, stable for large offsets (corrected two-pass algorithm):
+            pivot = xs.sum(shape.reduce, dtype=compute) / max(shape.n, 1)  # K: rounded mean
+            torch.sub(xs, shape.per_slice(pivot), out=t)  # t = x - K
+            sum_t = t.sum(shape.reduce)  # sum(t)
+            sum_t2 = torch.mul(t, t, out=scratch).sum(shape.reduce)  # sum(t^2)
+            mean, m2 = _slice_moments(pivot, sum_t, sum_t2, shape.n)
+            payload = _group_sum(_stats_payload(shape.n, mean, m2), group_size)
+            if comm is not None:
+                comm.all_reduce_sum(payload)  # the one forward collective: 2C+1 float64 values
+            count, mean, var = _moments_from_payload(payload)
+            m = _global_count(count, shape.n * group_size, comm)
+            _check_count(m, x, devices, comm)
+            if running_mean is not None and m > 0:
+                factor = momentum if momentum is not None else 1.0 / float(num_batches_tracked)
+                _update_running_stats(running_mean, running_var, mean[0], var[0], m, factor)
+            mean, var = _per_slice(mean, group_size), _per_slice(var, group_size)
+        else:
+            pivot = running_mean.to(compute).unsqueeze(0)  # K = running mean: t = x - mu
+            torch.sub(xs, shape.per_slice(pivot), out=t)
+            mean, var = running_mean.double().unsqueeze(0), running_var.double().unsqueeze(0)
+            m = 0
+
+        invstd = torch.rsqrt(var + eps)  # 1/sqrt(var + eps), float64 (D, C)
+        offset = mean - pivot.double()  # mu - K, small: t - (mu - K) = x - mu, no cancellation
+        t.sub_(shape.per_slice(offset, compute)).mul_(shape.per_slice(invstd, compute))  # xhat
+        _affine(scratch, t, weight, bias, shape)  # y = gamma * xhat + beta
+        if scratch.data_ptr() != y.data_ptr():
+            y.copy_(scratch.view_as(y))  # rounded once to fp16/bf16
+
+        ctx.save_for_backward(xhat, weight)
+        ctx.invstd = invstd.to(compute)
+        ctx.shape, ctx.group_size, ctx.comm = shape, group_size, comm
+        ctx.training, ctx.count, ctx.input_dtype = training, m, x.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y: Tensor):
+        xhat, weight = ctx.saved_tensors
+        shape: _SliceShape = ctx.shape
+        need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
+        dy = shape.view(grad_y)
+        xhat_s = shape.view(xhat)
+        grad_x = torch.empty_like(xhat)  # scratch for dy * xhat first
+        dx = shape.view(grad_x)
+        sum_dy = dy.sum(shape.reduce, dtype=xhat.dtype)  # sum(dy) per slice (D, C)
+        sum_dy_xhat = torch.mul(dy, xhat_s, out=dx).sum(shape.reduce)  # sum(dy*xhat) per slice
+
+        # d_gamma and d_beta over this process's data only: DDP averages parameter gradients.
+        grad_weight = sum_dy_xhat.sum(0).to(weight.dtype) if need_weight else None  # sum dy*xhat
+        grad_bias = sum_dy.sum(0).to(ctx.bias_dtype) if need_bias else None  # sum dy
+        if not need_x:
+            return None, grad_weight, grad_bias, *_NO_GRADS
+
+        gamma = weight.to(xhat.dtype).unsqueeze(0) if weight is not None else 1.0
+        scale = ctx.invstd * gamma  # gamma * invstd, (D, C)
+        if ctx.training:
+            payload = torch.cat(
+                [_group_sum(sum_dy, ctx.group_size), _group_sum(sum_dy_xhat, ctx.group_size)],
+                dim=1,
+            )
+            if ctx.comm is not None:
+                ctx.comm.all_reduce_sum(payload)  # the one backward collective: 2C values
+            sum_dy, sum_dy_xhat = _per_slice(payload, ctx.group_size).chunk(2, dim=1)
+            m = max(ctx.count, 1)
+            # dx = gamma*invstd/m * (m*dy - sum(dy) - xhat*sum(dy*xhat)), evaluated as
+            # dx = scale * ((dy - xhat * sum(dy*xhat)/m) - sum(dy)/m), scale = gamma*invstd
+            torch.addcmul(dy, xhat_s, shape.per_slice(-sum_dy_xhat / m), out=dx)
+            dx.sub_(shape.per_slice(sum_dy / m)).mul_(shape.per_slice(scale))
+        else:
+            torch.mul(dy, shape.per_slice(scale), out=dx)  # eval: the statistics are constants
+        if grad_x.dtype != ctx.input_dtype:
+            grad_x = grad_x.to(ctx.input_dtype)
+        return grad_x, grad_weight, grad_bias, *_NO_GRADS
+
+
+_NO_GRADS = (None,) * 9  # running_mean ... comm
+
+
+class _SliceShape:
+    """How (N, C, *spatial) is seen as (D, N/D, C, *spatial): views and broadcast shapes."""
+
+    def __init__(self, x: Tensor, devices: int) -> None:
+        self.devices = devices
+        self.per_device_batch = x.shape[0] // devices
+        self.channels = x.shape[1]
+        self.spatial = tuple(x.shape[2:])
+        # Values per channel in one slice; reductions run over batch and spatial dims.
+        self.n = self.per_device_batch * math.prod(self.spatial)
+        self.reduce = (1, *range(3, 3 + len(self.spatial)))
+
+    def view(self, t: Tensor) -> Tensor:
+        return t.reshape(self.devices, self.per_device_batch, self.channels, *self.spatial)
+
+    def per_slice(self, stat: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """(D or 1, C) statistic -> broadcastable against the (D, N/D, C, *spatial) view."""
+        stat = stat if dtype is None else stat.to(dtype)
+        return stat.reshape(stat.shape[0], 1, self.channels, *([1] * len(self.spatial)))
+
+
+def _slice_moments(pivot: Tensor, sum_t: Tensor, sum_t2: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """Per-slice mean and M2 = sum((x - mean)^2) in float64 from sums of t = x - K.
+
+    K is the slice's own (rounded) mean, so t is centred and sum(t^2) has no cancellation;
+    the correction term fixes the rounding of K (the "corrected two-pass" algorithm).
+    """
+    n = max(n, 1)
+    sum_t, sum_t2 = sum_t.double(), sum_t2.double()
+    mean = pivot.double() + sum_t / n  # mu_d = K + sum(t)/n
+    m2 = (sum_t2 - sum_t * sum_t / n).clamp_min(0)  # M2_d = sum(t^2) - sum(t)^2/n
+    return mean, m2
+
+
+def _stats_payload(n: int, mean: Tensor, m2: Tensor) -> Tensor:
+    """Per slice (D, 2C+1) float64 sums [n, sum(x) = n*mu, sum(x^2) = M2 + n*mu^2]."""
+    count = mean.new_full((mean.shape[0], 1), float(n))
+    return torch.cat([count, n * mean, m2 + n * mean * mean], dim=1)
+
+
+def _group_sum(per_slice: Tensor, group_size: int) -> Tensor:
+    """Sum (D, K) per-slice values over each group of ``group_size`` consecutive slices."""
+    devices, width = per_slice.shape
+    return per_slice.reshape(devices // group_size, group_size, width).sum(1)
+
+
+def _per_slice(per_group: Tensor, group_size: int) -> Tensor:
+    """(G, C) per-group statistics -> (G * group_size, C): each slice gets its group's."""
+    return per_group.repeat_interleave(group_size, dim=0)
+
+
+def _moments_from_payload(payload: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Reduced sums -> count (G,), mean and biased variance (G, C), all float64."""
+    channels = (payload.shape[1] - 1) // 2
+    count = payload[:, :1]
+    sum_x, sum_x2 = payload[:, 1 : channels + 1], payload[:, channels + 1 :]
+    mean = sum_x / count.clamp_min(1)  # mu = sum(x)/m
+    var = (sum_x2 / count.clamp_min(1) - mean * mean).clamp_min(0)  # var = sum(x^2)/m - mu^2
+    return count[:, 0], mean, var
+
+
+def _global_count(count: Tensor, local_count: int, comm: Communicator | None) -> int:
+    """Values per channel that share the statistics; read back only after a real collective."""
+    if comm is None or comm.world_size == 1:
+        return local_count
+    return int(count[0].item())
+
+
+def _check_count(m: int, x: Tensor, devices: int, comm: Communicator | None) -> None:
+    if m == 1:
+        where = f"over {comm.world_size} rank(s)" if comm is not None else "per device slice"
+        raise ValueError(
+            "Expected more than 1 value per channel when training, got 1 value per channel "
+            f"{where} (input shape {tuple(x.shape)}, devices={devices}); use a larger batch"
+        )
+
+
+def _update_running_stats(
+    running_mean: Tensor, running_var: Tensor, mean: Tensor, var: Tensor, m: int, factor: float
+) -> None:
+    """running <- (1 - factor) * running + factor * batch, with the unbiased variance."""
+    unbiased_var = var * (m / (m - 1))  # var * m/(m-1), m = the global count
+    running_mean.lerp_(mean.to(running_mean.dtype), factor)
+    running_var.lerp_(unbiased_var.to(running_var.dtype), factor)
+
+
+def _affine(y: Tensor, xhat: Tensor, weight: Tensor | None, bias: Tensor | None, shape) -> None:
+    """y = gamma * xhat + beta into ``y``, in two vectorised passes (addcmul with two
+    per-channel operands is several times slower on CPU)."""
+    if weight is not None:
+        torch.mul(xhat, shape.per_slice(weight[None]), out=y)
+    else:
+        y.copy_(xhat)
+    if bias is not None:
+        y.add_(shape.per_slice(bias[None]))

@@ -1,0 +1,191 @@
+"""BatchNorm (per device) and SyncBatchNorm (global batch) modules over the reference math."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from syncbn_lab.nn import functional as F
+from syncbn_lab.nn.comm import Communicator, LocalCommunicator, communicator_for, subgroup_for
+
+__all__ = ["BatchNorm", "SyncBatchNorm"]
+
+
+def _check_impl(impl: str) -> str:
+    if impl not in F.IMPLS:
+        raise ValueError(f"unknown BatchNorm impl {impl!r}; choose one of {', '.join(F.IMPLS)}")
+    return impl
+
+
+class BatchNorm(_BatchNorm):
+    """Per-device BatchNorm for 2-D to 5-D input, through the reference of ``functional``.
+
+    Equal to ``torch.nn.BatchNorm1d/2d/3d`` with ``devices == 1``. With ``devices = D`` (set
+    by the single-process emulation of D devices) the batch is D equal consecutive slices and
+    each slice is normalised with its own statistics, exactly as D replicas under
+    DataParallel or DDP would do; running statistics follow slice 0 (device 0's buffers are
+    the ones that survive). State dict keys are those of ``torch.nn.BatchNorm2d``.
+    """
+
+    devices: int
+    impl: str
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        bias: bool = True,
+        impl: str = "auto",
+    ) -> None:
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias
+        )
+        self.devices = 1
+        self.impl = _check_impl(impl)
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if not 2 <= input.dim() <= 5:
+            raise ValueError(
+                f"{type(self).__name__} expects 2-D to 5-D input (N, C, ...), "
+                f"got {input.dim()}-D input of shape {tuple(input.shape)}"
+            )
+        if input.shape[1] != self.num_features:
+            raise ValueError(
+                f"{type(self).__name__}({self.num_features}) got input with {input.shape[1]} "
+                f"channels (shape {tuple(input.shape)}); channels are dim 1"
+            )
+
+    def _synchronisation(self) -> tuple[Communicator | None, int | None]:
+        """(communicator, slices per group) for a training step; per-device BN has none."""
+        return None, None
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)  # before any collective, on every rank
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        # Batch statistics in training, and in eval when there are no running statistics.
+        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        keep_buffers = not self.training or self.track_running_stats
+        comm, group_size = self._synchronisation() if self.training else (None, None)
+        return F.batch_norm(
+            input,
+            self.weight,
+            self.bias,
+            self.running_mean if keep_buffers else None,
+            self.running_var if keep_buffers else None,
+            training=use_batch_stats,
+            momentum=self.momentum,
+            eps=self.eps,
+            num_batches_tracked=self.num_batches_tracked,
+            devices=self.devices,
+            comm=comm,
+            group_size=group_size,
+            impl=self.impl,
+        )
+
+    def extra_repr(self) -> str:
+        extra = super().extra_repr()
+        if self.devices != 1:
+            extra += f", devices={self.devices}"
+        if self.impl != "auto":
+            extra += f", impl={self.impl!r}"
+        return extra
+
+
+class SyncBatchNorm(BatchNorm):
+    """BatchNorm over the global batch; a drop-in for ``torch.nn.SyncBatchNorm`` that also
+    runs on CPU (gloo), with uneven or empty per-rank batches, and in a single process.
+
+    What is synchronised, in training, per channel: the count m, the sum of x and the sum of
+    x^2 in the forward pass (so the mean and biased variance that normalise the input are
+    those of the global batch), and sum(dy) and sum(dy * xhat) in the backward pass (so the
+    input gradient is that of the global batch). Nothing else: the gradients of weight and
+    bias are sums over this process's own data (DDP averages them like any parameter), and
+    the running statistics are updated on every rank from the same global statistics (with
+    the unbiased variance var * m / (m - 1)), so they stay equal across the group.
+
+    Communication per layer and training step, independent of the world size W:
+
+    - forward: one all_reduce of 2C+1 float64 values (count, sum x, sum x^2) = (2C+1)*8 bytes;
+    - backward: one all_reduce of 2C values in the compute dtype (float32 for fp32/fp16/bf16
+      input) = 2C*4 bytes, skipped like torch when the input needs no gradient.
+
+    torch.nn.SyncBatchNorm all_gathers W*(2C+1) values (mean, invstd, count of every rank)
+    in forward instead. Eval mode normalises with the running statistics and communicates
+    nothing; without running statistics it normalises each rank with its own batch, as
+    torch does.
+
+    Who synchronises with whom: all ranks of ``process_group`` (default WORLD), or
+    consecutive groups of ``group_size`` devices (``group_size`` counts devices: ranks times
+    the ``devices`` slices each rank emulates). Without an initialised process group, or in a
+    group of one rank, it is BatchNorm over all ``devices`` slices merged.
+
+    Args:
+        num_features, eps, momentum, affine, track_running_stats, process_group, device,
+        dtype, bias: as ``torch.nn.SyncBatchNorm`` (``momentum=None`` = cumulative average).
+        group_size: synchronise within consecutive groups of this many devices; exclusive
+            with ``process_group``. The subgroups are created (collectively, on all ranks) at
+            the first training step and cached.
+        impl: "auto" | "reference" | "fused"; today all run the reference implementation.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        device=None,
+        dtype=None,
+        *,
+        group_size: int | None = None,
+        impl: str = "auto",
+        bias: bool = True,
+    ) -> None:
+        super().__init__(
+            num_features,
+            eps,
+            momentum,
+            affine,
+            track_running_stats,
+            device,
+            dtype,
+            bias=bias,
+            impl=impl,
+        )
+        if process_group is not None and group_size is not None:
+            raise ValueError("give SyncBatchNorm either process_group or group_size, not both")
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"SyncBatchNorm group_size must be >= 1, got {group_size}")
+        self.process_group = process_group
+        self.group_size = group_size
+
+    def _synchronisation(self) -> tuple[Communicator | None, int | None]:
+        if self.group_size is None:
+            return communicator_for(self.process_group), None
+        distributed = dist.is_available() and dist.is_initialized()
+        if not distributed or dist.get_world_size() == 1:
+            return LocalCommunicator(), self.group_size  # groups of emulated devices
+        if self.group_size % self.devices == 0:  # each group spans whole ranks
+            return communicator_for(subgroup_for(self.group_size // self.devices)), None
+        if self.devices % self.group_size == 0:  # groups inside each rank's slices
+            return LocalCommunicator(), self.group_size
+        raise ValueError(
+            f"SyncBatchNorm group_size={self.group_size} neither divides nor is a multiple "
+            f"of devices={self.devices} per rank"
+        )
+
+    def extra_repr(self) -> str:
+        extra = super().extra_repr()
+        if self.group_size is not None:
+            extra += f", group_size={self.group_size}"
+        return extra
