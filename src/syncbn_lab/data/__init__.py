@@ -1,0 +1,60 @@
+"""Datasets: ``build_datasets(cfg.data)`` -> :class:`DataSplits` of uint8-backed image datasets.
+
+Every dataset item is ``(image float32 C x H x W, normalised; label int)``, and
+every dataset also builds whole batches with tensor ops through ``__getitems__`` (see
+:mod:`syncbn_lab.data.image_dataset`). Families, selected by ``cfg.name`` (one config each in
+``configs/data/``): mnist, digits, cifar10, cifar100, imagefolder, synthetic.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from omegaconf import DictConfig
+
+from .base import DataError, DataSplits
+from .image_dataset import Augmentation, ImageDataset, InMemoryImageDataset
+
+# name -> "module:function"; modules are imported only when their dataset is built.
+_BUILDERS = {
+    "mnist": "syncbn_lab.data.mnist:build_mnist",
+    "digits": "syncbn_lab.data.digits:build_digits",
+    "cifar10": "syncbn_lab.data.cifar:build_cifar10",
+    "cifar100": "syncbn_lab.data.cifar:build_cifar100",
+    "imagefolder": "syncbn_lab.data.imagefolder:build_imagefolder",
+    "synthetic": "syncbn_lab.data.synthetic:build_synthetic",
+}
+DATASET_NAMES = tuple(sorted(_BUILDERS))
+
+
+def build_datasets(cfg: DictConfig) -> DataSplits:
+    """Train/val/test datasets for the ``data`` config group node ``cfg``."""
+    name = cfg.get("name") if hasattr(cfg, "get") else None
+    if name not in _BUILDERS:
+        raise DataError(
+            f"unknown dataset {name!r}; valid names: {', '.join(DATASET_NAMES)} "
+            "(choose one with data=<name>)"
+        )
+    module, function = _BUILDERS[name].split(":")
+    return getattr(importlib.import_module(module), function)(cfg)
+
+
+def __getattr__(name: str):
+    # Import mnist.py on first use only, so `python -m syncbn_lab.data.mnist` runs it cleanly.
+    if name == "fetch_mnist":
+        from .mnist import fetch_mnist
+
+        return fetch_mnist
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "DATASET_NAMES",
+    "Augmentation",
+    "DataError",
+    "DataSplits",
+    "ImageDataset",
+    "InMemoryImageDataset",
+    "build_datasets",
+    "fetch_mnist",
+]

