@@ -1,0 +1,756 @@
+// CUDA kernels of the syncbn_lab ops (schemas in ../syncbn.cpp, CPU twins in ../syncbn_cpu.cpp).
+//
+// Every launch goes on the current stream (c10::cuda::getCurrentCUDAStream(), the function
+// at::cuda::getCurrentCUDAStream names). Reductions run in two stages:
+//   1. a grid of blocks, each reducing a chunk of one (slice, channel-block) with per-thread
+//      Welford (or plain sums), merged with warp shuffles and then across the block's warps
+//      through shared memory, writes partials (slices, chunks, W);
+//   2. a small kernel merges the chunks (Chan's count-weighted formula, or sums).
+// Loop shapes, as on the CPU (see syncbn.h for the layouts):
+//   planes: ChannelsFirst with S >= kPlaneMin; grid (chunks, C, slices), a 2-D block walks
+//           samples (y) and the contiguous spatial plane (x).
+//   rows:   ChannelsLast rows of W = C values, or ChannelsFirst rows of W = C * S values with a
+//           small S; grid (W / tx, chunks, slices), threads of a warp read consecutive columns.
+// Elementwise kernels are grid-stride loops with 16-byte vector loads where alignment allows.
+// The affine map uses an explicit fma in both forward and backward, so the ReLU mask
+// recomputed in the backward equals the forward's.
+// ATen/cuda/CUDAContext.h is avoided on purpose: it includes the cuBLAS/cuSPARSE headers,
+// which a bare CUDA toolkit (nvcc + cudart only) lacks.
+#include <ATen/AccumulateType.h>
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../syncbn.h"
+
+namespace syncbn_lab {
+namespace {
+
+using at::Tensor;
+
+constexpr int kThreads = 256;  // threads per block, a multiple of the warp size
+constexpr int kWarp = 32;
+constexpr int kWarps = kThreads / kWarp;
+constexpr int64_t kPlaneMin = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+template <typename A>
+struct WelfordData {
+  A n, mean, m2;
+};
+
+template <typename A>
+__device__ __forceinline__ WelfordData<A> combine(const WelfordData<A>& a,
+                                                  const WelfordData<A>& b) {
+  if (b.n == A(0)) return a;
+  if (a.n == A(0)) return b;
+  const A n = a.n + b.n;
+  const A delta = b.mean - a.mean;
+  const A fb = b.n / n;
+  return {n, a.mean + delta * fb, a.m2 + b.m2 + delta * delta * a.n * fb};
+}
+
+template <typename A>
+__device__ __forceinline__ WelfordData<A> shfl_xor(const WelfordData<A>& v, int offset) {
+  return {__shfl_xor_sync(kFullMask, v.n, offset), __shfl_xor_sync(kFullMask, v.mean, offset),
+          __shfl_xor_sync(kFullMask, v.m2, offset)};
+}
+
+template <typename A>
+__device__ __forceinline__ void welford_push(WelfordData<A>& w, A v) {
+  w.n += A(1);
+  const A delta = v - w.mean;
+  w.mean += delta / w.n;
+  w.m2 += delta * (v - w.mean);
+}
+
+__device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+__device__ __forceinline__ double fma_rn(double a, double b, double c) {
+  return __fma_rn(a, b, c);
+}
+
+// (x - mean) * scale + shift, rounded once: the forward output and the backward's ReLU mask.
+template <typename A>
+__device__ __forceinline__ A affine(A x, A mean, A scale, A shift) {
+  return fma_rn(x - mean, scale, shift);
+}
+
+__device__ __forceinline__ int linear_tid() { return threadIdx.y * blockDim.x + threadIdx.x; }
+
+// Reduces a value of every thread of the block (all for one target); the result is valid in
+// thread 0. `shared` holds kWarps entries.
+template <typename A>
+__device__ WelfordData<A> block_welford(WelfordData<A> v, WelfordData<A>* shared) {
+  for (int offset = kWarp / 2; offset > 0; offset >>= 1) v = combine(v, shfl_xor(v, offset));
+  const int tid = linear_tid(), lane = tid % kWarp, warp = tid / kWarp;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < kWarps ? shared[lane] : WelfordData<A>{A(0), A(0), A(0)};
+    for (int offset = kWarp / 2; offset > 0; offset >>= 1) v = combine(v, shfl_xor(v, offset));
+  }
+  return v;
+}
+
+template <typename A>
+__device__ A block_sum(A v, A* shared) {
+  for (int offset = kWarp / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+  const int tid = linear_tid(), lane = tid % kWarp, warp = tid / kWarp;
+  __syncthreads();  // `shared` may still be read from a previous call
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < kWarps ? shared[lane] : A(0);
+    for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
+      v += __shfl_xor_sync(kFullMask, v, offset);
+    }
+  }
+  return v;
+}
+
+// ----------------------------------------------------------------------------------------
+// Statistics
+// ----------------------------------------------------------------------------------------
+
+// grid (chunks, C, slices); partials (slices, chunks, C).
+template <typename T, typename A>
+__global__ void stats_planes_kernel(const T* __restrict__ x, int64_t n, int64_t C, int64_t S,
+                                    A* __restrict__ pn, A* __restrict__ pmean,
+                                    A* __restrict__ pm2) {
+  __shared__ WelfordData<A> shared[kWarps];
+  const int64_t p = blockIdx.x, c = blockIdx.y, d = blockIdx.z;
+  const int64_t chunks = gridDim.x;
+  WelfordData<A> w{A(0), A(0), A(0)};
+  for (int64_t i = p * blockDim.y + threadIdx.y; i < n; i += chunks * blockDim.y) {
+    const T* __restrict__ plane = x + ((d * n + i) * C + c) * S;
+    for (int64_t s = threadIdx.x; s < S; s += blockDim.x) {
+      welford_push(w, static_cast<A>(plane[s]));
+    }
+  }
+  w = block_welford(w, shared);
+  if (linear_tid() == 0) {
+    const int64_t j = (d * chunks + p) * C + c;
+    pn[j] = w.n;
+    pmean[j] = w.mean;
+    pm2[j] = w.m2;
+  }
+}
+
+// Cross-row reduction of a (tx, ty) block in which the threads of one column share
+// threadIdx.x: warp shuffles over the lanes of a column, then the warps through shared
+// memory. The results of column threadIdx.x are valid in the threads with linear id < tx.
+template <typename A>
+__device__ WelfordData<A> column_welford(WelfordData<A> v, WelfordData<A>* shared) {
+  const int tx = blockDim.x;  // a power of two <= kWarp
+  for (int offset = kWarp / 2; offset >= tx; offset >>= 1) v = combine(v, shfl_xor(v, offset));
+  const int tid = linear_tid(), lane = tid % kWarp, warp = tid / kWarp;
+  if (lane < tx) shared[warp * tx + lane] = v;
+  __syncthreads();
+  if (tid < tx) {
+    v = shared[tid];
+    for (int k = 1; k < kWarps; ++k) v = combine(v, shared[k * tx + tid]);
+  }
+  return v;
+}
+
+template <typename A>
+__device__ A column_sum(A v, A* shared) {
+  const int tx = blockDim.x;
+  for (int offset = kWarp / 2; offset >= tx; offset >>= 1) {
+    v += __shfl_xor_sync(kFullMask, v, offset);
+  }
+  const int tid = linear_tid(), lane = tid % kWarp, warp = tid / kWarp;
+  __syncthreads();
+  if (lane < tx) shared[warp * tx + lane] = v;
+  __syncthreads();
+  if (tid < tx) {
+    v = shared[tid];
+    for (int k = 1; k < kWarps; ++k) v += shared[k * tx + tid];
+  }
+  return v;
+}
+
+// grid (ceil(W / tx), chunks, slices); partials (slices, chunks, W).
+template <typename T, typename A>
+__global__ void stats_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t W,
+                                  A* __restrict__ pn, A* __restrict__ pmean,
+                                  A* __restrict__ pm2) {
+  __shared__ WelfordData<A> shared[kThreads];
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t p = blockIdx.y, d = blockIdx.z, chunks = gridDim.y;
+  WelfordData<A> acc{A(0), A(0), A(0)};
+  if (w < W) {
+    const T* __restrict__ base = x + d * rows * W + w;
+    for (int64_t r = p * blockDim.y + threadIdx.y; r < rows; r += chunks * blockDim.y) {
+      welford_push(acc, static_cast<A>(base[r * W]));
+    }
+  }
+  acc = column_welford(acc, shared);
+  if (linear_tid() < static_cast<int>(blockDim.x) && w < W) {
+    const int64_t j = (d * chunks + p) * W + w;
+    pn[j] = acc.n;
+    pmean[j] = acc.mean;
+    pm2[j] = acc.m2;
+  }
+}
+
+// Merges entries (b, p, c * per + v) over p < P and v < per into (b, c); the count of an
+// entry is cnt[b * cb + p * cp + (c * per + v) * cw].
+template <typename A>
+__global__ void merge_kernel(const A* __restrict__ cnt, int64_t cb, int64_t cp, int64_t cw,
+                             const A* __restrict__ mean, const A* __restrict__ m2, int64_t B,
+                             int64_t P, int64_t C, int64_t per, A* __restrict__ out_mean,
+                             A* __restrict__ out_m2) {
+  const int64_t W = C * per;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < B * C;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t b = i / C, c = i % C;
+    WelfordData<A> acc{A(0), A(0), A(0)};
+    for (int64_t p = 0; p < P; ++p) {
+      for (int64_t v = 0; v < per; ++v) {
+        const int64_t w = c * per + v;
+        const int64_t j = (b * P + p) * W + w;
+        acc = combine(acc, WelfordData<A>{cnt[b * cb + p * cp + w * cw], mean[j], m2[j]});
+      }
+    }
+    out_mean[i] = acc.mean;
+    out_m2[i] = acc.m2;
+  }
+}
+
+// Sums entries (b, p, c * per + v) over p and v, times `scale` (b, c) when given.
+template <typename A>
+__global__ void sum_partials_kernel(const A* __restrict__ in, int64_t B, int64_t P, int64_t C,
+                                    int64_t per, const A* __restrict__ scale,
+                                    A* __restrict__ out) {
+  const int64_t W = C * per;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < B * C;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t b = i / C, c = i % C;
+    A acc = 0;
+    for (int64_t p = 0; p < P; ++p) {
+      for (int64_t v = 0; v < per; ++v) acc += in[(b * P + p) * W + c * per + v];
+    }
+    out[i] = scale ? acc * scale[i] : acc;
+  }
+}
+
+int sm_count() {
+  int device = 0, count = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
+unsigned grid_1d(int64_t work) {
+  const int64_t blocks = (work + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(blocks, sm_count() * 8)));
+}
+
+// How a reduction over one layout is launched.
+struct ReducePlan {
+  bool planes = false;
+  int64_t W = 0;     // columns of the partials (C for planes, C or C*S for rows)
+  int64_t rows = 0;  // rows per slice (rows loop) or samples per slice (planes)
+  int64_t chunks = 1;
+  dim3 grid, block;
+};
+
+int64_t next_pow2(int64_t v) {
+  int64_t p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+ReducePlan reduce_plan(const Geometry& g, Layout layout) {
+  ReducePlan plan;
+  const int64_t target_blocks = 4 * static_cast<int64_t>(sm_count());
+  plan.planes = layout == Layout::ChannelsFirst && g.S >= kPlaneMin;
+  if (plan.planes) {
+    TORCH_CHECK(g.C <= 65535 && g.slices <= 65535,
+                "syncbn_lab (CUDA): at most 65535 channels and slices, got ", g.C, " and ",
+                g.slices);
+    const int64_t tx = std::min<int64_t>(kThreads, std::max<int64_t>(kWarp, next_pow2(g.S)));
+    const int64_t ty = kThreads / tx;
+    plan.W = g.C;
+    plan.rows = g.n;
+    const int64_t want = (target_blocks + g.C * g.slices - 1) / (g.C * g.slices);
+    plan.chunks = std::max<int64_t>(1, std::min<int64_t>({want, (g.n + ty - 1) / ty, 65535}));
+    plan.grid = dim3(plan.chunks, g.C, g.slices);
+    plan.block = dim3(tx, ty);
+    return plan;
+  }
+  TORCH_CHECK(g.slices <= 65535, "syncbn_lab (CUDA): at most 65535 slices, got ", g.slices);
+  plan.W = layout == Layout::ChannelsLast ? g.C : g.C * g.S;
+  plan.rows = (layout == Layout::ChannelsLast ? g.S : 1) * g.n;
+  const int64_t tx = std::min<int64_t>(kWarp, next_pow2(plan.W));
+  const int64_t ty = kThreads / tx;
+  const int64_t col_blocks = (plan.W + tx - 1) / tx;
+  const int64_t want = (target_blocks + col_blocks * g.slices - 1) / (col_blocks * g.slices);
+  plan.chunks = std::max<int64_t>(1, std::min<int64_t>({want, (plan.rows + ty - 1) / ty, 65535}));
+  plan.grid = dim3(col_blocks, plan.chunks, g.slices);
+  plan.block = dim3(tx, ty);
+  return plan;
+}
+
+std::tuple<Tensor, Tensor, Tensor> local_stats_cuda(const Tensor& x_in, int64_t devices) {
+  check_floating(x_in, "local_stats");
+  const Geometry g = geometry_of(x_in, devices, "local_stats");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Layout layout = layout_of(x_in);
+  const Tensor x = as_layout(x_in, layout);
+  const auto opts = x.options().dtype(acc_dtype(x.scalar_type()));
+  Tensor count = at::full({g.slices}, static_cast<double>(g.n * g.S), opts);
+  Tensor mean = at::zeros({g.slices, g.C}, opts);
+  Tensor m2 = at::zeros({g.slices, g.C}, opts);
+  if (x.numel() == 0) return {count, mean, m2};
+  const ReducePlan plan = reduce_plan(g, layout);
+  Tensor pn = at::empty({g.slices, plan.chunks, plan.W}, opts);
+  Tensor pmean = at::empty_like(pn);
+  Tensor pm2 = at::empty_like(pn);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "local_stats_cuda",
+                                  [&] {
+    using A = at::acc_type<scalar_t, true>;
+    if (plan.planes) {
+      stats_planes_kernel<scalar_t, A><<<plan.grid, plan.block, 0, stream>>>(
+          x.const_data_ptr<scalar_t>(), g.n, g.C, g.S, pn.mutable_data_ptr<A>(),
+          pmean.mutable_data_ptr<A>(), pm2.mutable_data_ptr<A>());
+    } else {
+      stats_rows_kernel<scalar_t, A><<<plan.grid, plan.block, 0, stream>>>(
+          x.const_data_ptr<scalar_t>(), plan.rows, plan.W, pn.mutable_data_ptr<A>(),
+          pmean.mutable_data_ptr<A>(), pm2.mutable_data_ptr<A>());
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int64_t per = plan.W / g.C;
+    merge_kernel<A><<<grid_1d(g.slices * g.C), kThreads, 0, stream>>>(
+        pn.const_data_ptr<A>(), plan.chunks * plan.W, plan.W, 1, pmean.const_data_ptr<A>(),
+        pm2.const_data_ptr<A>(), g.slices, plan.chunks, g.C, per, mean.mutable_data_ptr<A>(),
+        m2.mutable_data_ptr<A>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {count, mean, m2};
+}
+
+std::tuple<Tensor, Tensor, Tensor> merge_stats_cuda(const Tensor& count_in, const Tensor& mean_in,
+                                                    const Tensor& m2_in) {
+  TORCH_CHECK(mean_in.dim() >= 2 && m2_in.sizes() == mean_in.sizes(),
+              "syncbn_lab::merge_stats: mean and m2 must have the same shape (*B, K, C), got ",
+              mean_in.sizes(), " and ", m2_in.sizes());
+  TORCH_CHECK(count_in.sizes() == mean_in.sizes().slice(0, mean_in.dim() - 1),
+              "syncbn_lab::merge_stats: count must have shape (*B, K) = ",
+              mean_in.sizes().slice(0, mean_in.dim() - 1), ", got ", count_in.sizes());
+  TORCH_CHECK(mean_in.scalar_type() == at::kFloat || mean_in.scalar_type() == at::kDouble,
+              "syncbn_lab::merge_stats: expected float32 or float64 statistics, got ",
+              mean_in.scalar_type());
+  const c10::cuda::CUDAGuard guard(mean_in.device());
+  const int64_t C = mean_in.size(-1), K = mean_in.size(-2);
+  const int64_t B = c10::multiply_integers(mean_in.sizes().slice(0, mean_in.dim() - 2));
+  const auto acc = mean_in.scalar_type();
+  const Tensor count = count_in.to(acc).contiguous();
+  const Tensor mean = mean_in.contiguous();
+  const Tensor m2 = m2_in.to(acc).contiguous();
+  auto out_batch = mean_in.sizes().slice(0, mean_in.dim() - 2).vec();
+  auto stat_shape = out_batch;
+  stat_shape.push_back(C);
+  Tensor mean_out = at::empty(stat_shape, mean_in.options());
+  Tensor m2_out = at::empty(stat_shape, mean_in.options());
+  Tensor count_out = count_in.sum(-1);
+  if (B * C == 0) return {count_out, mean_out, m2_out};
+  AT_DISPATCH_FLOATING_TYPES(acc, "merge_stats_cuda", [&] {
+    merge_kernel<scalar_t><<<grid_1d(B * C), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        count.const_data_ptr<scalar_t>(), K, 1, 0, mean.const_data_ptr<scalar_t>(),
+        m2.const_data_ptr<scalar_t>(), B, K, C, 1, mean_out.mutable_data_ptr<scalar_t>(),
+        m2_out.mutable_data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {count_out, mean_out, m2_out};
+}
+
+// ----------------------------------------------------------------------------------------
+// Elementwise kernels
+// ----------------------------------------------------------------------------------------
+
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Vec {
+  T v[VEC];
+};
+
+// Channel and slice of the element at flat index `idx` (first of a vector).
+template <bool CL, typename I>
+__device__ __forceinline__ void locate(I idx, I C, I S, I slice_elems, I& c, I& g) {
+  c = CL ? idx % C : (idx / S) % C;
+  g = idx / slice_elems;
+}
+
+// Per-element view of the parameters; absent weight/bias read as 1/0.
+template <typename A>
+struct Params {
+  const A* mean;
+  const A* invstd;
+  const A* weight;  // nullptr: 1
+  const A* bias;    // nullptr: 0
+  __device__ __forceinline__ A scale(int64_t gc, int64_t c) const {
+    return weight ? weight[c] * invstd[gc] : invstd[gc];
+  }
+  __device__ __forceinline__ A shift(int64_t c) const { return bias ? bias[c] : A(0); }
+};
+
+template <typename T, typename A, bool RELU, bool CL, int VEC, typename I>
+__global__ void forward_kernel(const T* __restrict__ x, T* __restrict__ y, Params<A> prm, I total,
+                               I C, I S, I slice_elems) {
+  const I nvec = total / VEC;
+  const I stride = static_cast<I>(gridDim.x) * blockDim.x;
+  for (I v = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; v < nvec; v += stride) {
+    const I base = v * VEC;
+    I c0, g;
+    locate<CL>(base, C, S, slice_elems, c0, g);
+    const Vec<T, VEC> in = reinterpret_cast<const Vec<T, VEC>*>(x)[v];
+    Vec<T, VEC> out;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const I c = CL ? c0 + k : c0;  // VEC > 1 only where a vector stays in one slice/row
+      const I gc = g * C + c;
+      A r = affine(static_cast<A>(in.v[k]), prm.mean[gc], prm.scale(gc, c), prm.shift(c));
+      if (RELU) r = r < A(0) ? A(0) : r;
+      out.v[k] = static_cast<T>(r);
+    }
+    reinterpret_cast<Vec<T, VEC>*>(y)[v] = out;
+  }
+}
+
+template <typename T, typename A, bool RELU, bool CL, int VEC, typename I>
+__global__ void backward_elemt_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                      T* __restrict__ dx, Params<A> prm,
+                                      const A* __restrict__ sum_dy,
+                                      const A* __restrict__ sum_dy_xhat,
+                                      const A* __restrict__ count, bool per_slice_count, I total,
+                                      I C, I S, I slice_elems) {
+  const I nvec = total / VEC;
+  const I stride = static_cast<I>(gridDim.x) * blockDim.x;
+  for (I v = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; v < nvec; v += stride) {
+    const I base = v * VEC;
+    I c0, g;
+    locate<CL>(base, C, S, slice_elems, c0, g);
+    const A m = count[per_slice_count ? g : 0];
+    const A inv_m = m > A(0) ? A(1) / m : A(0);
+    const Vec<T, VEC> xin = reinterpret_cast<const Vec<T, VEC>*>(x)[v];
+    const Vec<T, VEC> gin = reinterpret_cast<const Vec<T, VEC>*>(dy)[v];
+    Vec<T, VEC> out;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const I c = CL ? c0 + k : c0;
+      const I gc = g * C + c;
+      const A scale = prm.scale(gc, c);
+      const A mu = prm.mean[gc];
+      const A xv = static_cast<A>(xin.v[k]);
+      A gv = static_cast<A>(gin.v[k]);
+      if (RELU) gv = affine(xv, mu, scale, prm.shift(c)) > A(0) ? gv : A(0);
+      const A kx = scale * prm.invstd[gc] * sum_dy_xhat[gc] * inv_m;
+      const A k0 = scale * sum_dy[gc] * inv_m;
+      out.v[k] = static_cast<T>(gv * scale - kx * (xv - mu) - k0);
+    }
+    reinterpret_cast<Vec<T, VEC>*>(dx)[v] = out;
+  }
+}
+
+// Sums of dy' and dy' * (x - mean) for the planes shape; partials (slices, chunks, C).
+template <typename T, typename A, bool RELU>
+__global__ void grad_sums_planes_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                        Params<A> prm, int64_t n, int64_t C, int64_t S,
+                                        A* __restrict__ psdy, A* __restrict__ psdyx) {
+  __shared__ A shared[kWarps];
+  const int64_t p = blockIdx.x, c = blockIdx.y, d = blockIdx.z;
+  const int64_t chunks = gridDim.x;
+  const int64_t gc = d * C + c;
+  const A mu = prm.mean[gc], scale = prm.scale(gc, c), shift = prm.shift(c);
+  A sdy = 0, sdyx = 0;
+  for (int64_t i = p * blockDim.y + threadIdx.y; i < n; i += chunks * blockDim.y) {
+    const int64_t off = ((d * n + i) * C + c) * S;
+    for (int64_t s = threadIdx.x; s < S; s += blockDim.x) {
+      const A xv = static_cast<A>(x[off + s]);
+      A gv = static_cast<A>(dy[off + s]);
+      if (RELU) gv = affine(xv, mu, scale, shift) > A(0) ? gv : A(0);
+      sdy += gv;
+      sdyx += gv * (xv - mu);
+    }
+  }
+  sdy = block_sum(sdy, shared);
+  sdyx = block_sum(sdyx, shared);
+  if (linear_tid() == 0) {
+    psdy[(d * chunks + p) * C + c] = sdy;
+    psdyx[(d * chunks + p) * C + c] = sdyx;
+  }
+}
+
+// Rows shape: column w of a row belongs to channel w / per; partials (slices, chunks, W).
+template <typename T, typename A, bool RELU>
+__global__ void grad_sums_rows_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                      Params<A> prm, int64_t rows, int64_t W, int64_t C,
+                                      A* __restrict__ psdy, A* __restrict__ psdyx) {
+  __shared__ A shared[kThreads];
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t p = blockIdx.y, d = blockIdx.z, chunks = gridDim.y;
+  A sdy = 0, sdyx = 0;
+  if (w < W) {
+    const int64_t c = w / (W / C);
+    const int64_t gc = d * C + c;
+    const A mu = prm.mean[gc], scale = prm.scale(gc, c), shift = prm.shift(c);
+    const int64_t base = d * rows * W + w;
+    for (int64_t r = p * blockDim.y + threadIdx.y; r < rows; r += chunks * blockDim.y) {
+      const A xv = static_cast<A>(x[base + r * W]);
+      A gv = static_cast<A>(dy[base + r * W]);
+      if (RELU) gv = affine(xv, mu, scale, shift) > A(0) ? gv : A(0);
+      sdy += gv;
+      sdyx += gv * (xv - mu);
+    }
+  }
+  sdy = column_sum(sdy, shared);
+  sdyx = column_sum(sdyx, shared);
+  if (linear_tid() < static_cast<int>(blockDim.x) && w < W) {
+    psdy[(d * chunks + p) * W + w] = sdy;
+    psdyx[(d * chunks + p) * W + w] = sdyx;
+  }
+}
+
+// Inputs of the elementwise/backward ops after checks, in one layout.
+struct Prepared {
+  Geometry g;
+  Layout layout = Layout::ChannelsFirst;
+  Tensor x, mean, invstd, weight, bias;
+  at::ScalarType acc = at::kFloat;
+};
+
+Prepared prepare(const Tensor& x_in, const Tensor& mean, const Tensor& invstd,
+                 const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
+                 const char* op) {
+  check_floating(x_in, op);
+  TORCH_CHECK(x_in.is_cuda(), "syncbn_lab::", op, ": expected a CUDA tensor");
+  Prepared p;
+  const int64_t slices = slices_of_stats(x_in, mean, "mean", op);
+  TORCH_CHECK(invstd.sizes() == mean.sizes(), "syncbn_lab::", op,
+              ": invstd must have the shape of mean ", mean.sizes(), ", got ", invstd.sizes());
+  p.g = geometry_of(x_in, slices, op);
+  p.layout = layout_of(x_in);
+  p.x = as_layout(x_in, p.layout);
+  p.acc = acc_dtype(x_in.scalar_type());
+  p.mean = stat_as(mean, x_in, p.acc);
+  p.invstd = stat_as(invstd, x_in, p.acc);
+  p.weight = optional_param(weight, x_in, p.acc, "weight", op);
+  p.bias = optional_param(bias, x_in, p.acc, "bias", op);
+  return p;
+}
+
+template <typename A>
+Params<A> params_of(const Prepared& p) {
+  return Params<A>{p.mean.const_data_ptr<A>(), p.invstd.const_data_ptr<A>(),
+                   p.weight.defined() ? p.weight.const_data_ptr<A>() : nullptr,
+                   p.bias.defined() ? p.bias.const_data_ptr<A>() : nullptr};
+}
+
+// Elements per 16-byte vector when every vector stays within one (slice, channel row) and
+// all pointers are aligned; else 1.
+template <typename T>
+int vector_width(const Prepared& p, std::initializer_list<const void*> ptrs) {
+  constexpr int vec = 16 / sizeof(T);
+  const int64_t run = p.layout == Layout::ChannelsLast ? p.g.C : p.g.S;
+  if (vec <= 1 || run % vec != 0) return 1;
+  for (const void* ptr : ptrs) {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return 1;
+  }
+  return vec;
+}
+
+// Calls f(std::integral_constant<bool, RELU>, ..CL, ..VEC, index type) for the runtime choices.
+template <int VEC, typename F>
+void with_layout_and_index(bool relu, bool cl, bool small, F&& f) {
+  auto pick_index = [&](auto relu_c, auto cl_c) {
+    if (small) {
+      f(relu_c, cl_c, std::integral_constant<int, VEC>{}, int32_t{0});
+    } else {
+      f(relu_c, cl_c, std::integral_constant<int, VEC>{}, int64_t{0});
+    }
+  };
+  auto pick_cl = [&](auto relu_c) {
+    if (cl) {
+      pick_index(relu_c, std::true_type{});
+    } else {
+      pick_index(relu_c, std::false_type{});
+    }
+  };
+  if (relu) {
+    pick_cl(std::true_type{});
+  } else {
+    pick_cl(std::false_type{});
+  }
+}
+
+Tensor forward_elemt_cuda(const Tensor& x_in, const Tensor& mean, const Tensor& invstd,
+                          const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
+                          bool relu) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Prepared p = prepare(x_in, mean, invstd, weight, bias, "forward_elemt");
+  Tensor y = empty_in_layout(p.x.sizes(), p.x.options(), p.layout);
+  const int64_t total = p.x.numel();
+  if (total == 0) return y;
+  const bool cl = p.layout == Layout::ChannelsLast;
+  const bool small = total < (int64_t{1} << 30);  // 32-bit indices, no overflow
+  const int64_t slice_elems = p.g.n * p.g.C * p.g.S;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.x.scalar_type(),
+                                  "forward_elemt_cuda", [&] {
+    using A = at::acc_type<scalar_t, true>;
+    constexpr int kVec = 16 / sizeof(scalar_t);
+    const Params<A> prm = params_of<A>(p);
+    const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    const int vec = vector_width<scalar_t>(p, {xp, yp});
+    auto launch = [&](auto relu_c, auto cl_c, auto vec_c, auto index) {
+      using I = decltype(index);
+      constexpr int V = decltype(vec_c)::value;
+      forward_kernel<scalar_t, A, decltype(relu_c)::value, decltype(cl_c)::value, V, I>
+          <<<grid_1d(total / V), kThreads, 0, stream>>>(xp, yp, prm, static_cast<I>(total),
+                                                        static_cast<I>(p.g.C),
+                                                        static_cast<I>(p.g.S),
+                                                        static_cast<I>(slice_elems));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (vec == kVec) {
+      with_layout_and_index<kVec>(relu, cl, small, launch);
+    } else {
+      with_layout_and_index<1>(relu, cl, small, launch);
+    }
+  });
+  return y;
+}
+
+std::tuple<Tensor, Tensor> backward_reduce_cuda(const Tensor& dy_in, const Tensor& x_in,
+                                                const Tensor& mean, const Tensor& invstd,
+                                                const std::optional<Tensor>& weight,
+                                                const std::optional<Tensor>& bias, bool relu) {
+  TORCH_CHECK(dy_in.sizes() == x_in.sizes() && dy_in.scalar_type() == x_in.scalar_type(),
+              "syncbn_lab::backward_reduce: dy must have the shape and dtype of x, got ",
+              dy_in.sizes(), " ", dy_in.scalar_type(), " and ", x_in.sizes(), " ",
+              x_in.scalar_type());
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Prepared p = prepare(x_in, mean, invstd, weight, bias, "backward_reduce");
+  const Tensor dy = as_layout(dy_in, p.layout);
+  const auto opts = p.x.options().dtype(p.acc);
+  Tensor sum_dy = at::zeros(mean.sizes(), opts);
+  Tensor sum_dy_xhat = at::zeros(mean.sizes(), opts);
+  if (p.x.numel() == 0) return {sum_dy, sum_dy_xhat};
+  const Geometry& g = p.g;
+  const ReducePlan plan = reduce_plan(g, p.layout);
+  Tensor psdy = at::empty({g.slices, plan.chunks, plan.W}, opts);
+  Tensor psdyx = at::empty_like(psdy);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.x.scalar_type(),
+                                  "backward_reduce_cuda", [&] {
+    using A = at::acc_type<scalar_t, true>;
+    const Params<A> prm = params_of<A>(p);
+    const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
+    const scalar_t* gp = dy.const_data_ptr<scalar_t>();
+    auto launch = [&](auto relu_c) {
+      constexpr bool R = decltype(relu_c)::value;
+      if (plan.planes) {
+        grad_sums_planes_kernel<scalar_t, A, R><<<plan.grid, plan.block, 0, stream>>>(
+            gp, xp, prm, g.n, g.C, g.S, psdy.mutable_data_ptr<A>(), psdyx.mutable_data_ptr<A>());
+      } else {
+        grad_sums_rows_kernel<scalar_t, A, R><<<plan.grid, plan.block, 0, stream>>>(
+            gp, xp, prm, plan.rows, plan.W, g.C, psdy.mutable_data_ptr<A>(),
+            psdyx.mutable_data_ptr<A>());
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (relu) {
+      launch(std::true_type{});
+    } else {
+      launch(std::false_type{});
+    }
+    const int64_t per = plan.W / g.C;
+    const unsigned blocks = grid_1d(g.slices * g.C);
+    sum_partials_kernel<A><<<blocks, kThreads, 0, stream>>>(
+        psdy.const_data_ptr<A>(), g.slices, plan.chunks, g.C, per, nullptr,
+        sum_dy.mutable_data_ptr<A>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    sum_partials_kernel<A><<<blocks, kThreads, 0, stream>>>(
+        psdyx.const_data_ptr<A>(), g.slices, plan.chunks, g.C, per, prm.invstd,
+        sum_dy_xhat.mutable_data_ptr<A>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {sum_dy, sum_dy_xhat};
+}
+
+Tensor backward_elemt_cuda(const Tensor& dy_in, const Tensor& x_in, const Tensor& mean,
+                           const Tensor& invstd, const std::optional<Tensor>& weight,
+                           const std::optional<Tensor>& bias, const Tensor& sum_dy,
+                           const Tensor& sum_dy_xhat, const Tensor& count, bool relu) {
+  TORCH_CHECK(dy_in.sizes() == x_in.sizes() && dy_in.scalar_type() == x_in.scalar_type(),
+              "syncbn_lab::backward_elemt: dy must have the shape and dtype of x, got ",
+              dy_in.sizes(), " ", dy_in.scalar_type(), " and ", x_in.sizes(), " ",
+              x_in.scalar_type());
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Prepared p = prepare(x_in, mean, invstd, weight, bias, "backward_elemt");
+  TORCH_CHECK(sum_dy.sizes() == mean.sizes() && sum_dy_xhat.sizes() == mean.sizes(),
+              "syncbn_lab::backward_elemt: sum_dy and sum_dy_xhat must have the shape of mean ",
+              mean.sizes(), ", got ", sum_dy.sizes(), " and ", sum_dy_xhat.sizes());
+  TORCH_CHECK(count.numel() == 1 || count.numel() == p.g.slices,
+              "syncbn_lab::backward_elemt: count must hold 1 or ", p.g.slices,
+              " values (one per slice), got ", count.numel());
+  const Tensor dy = as_layout(dy_in, p.layout);
+  Tensor dx = empty_in_layout(p.x.sizes(), p.x.options(), p.layout);
+  const int64_t total = p.x.numel();
+  if (total == 0) return dx;
+  const Tensor s1 = stat_as(sum_dy, x_in, p.acc);
+  const Tensor s2 = stat_as(sum_dy_xhat, x_in, p.acc);
+  const Tensor m = stat_as(count, x_in, p.acc).reshape({-1});
+  const bool per_slice_count = m.numel() != 1;
+  const bool cl = p.layout == Layout::ChannelsLast;
+  const bool small = total < (int64_t{1} << 30);  // 32-bit indices, no overflow
+  const int64_t slice_elems = p.g.n * p.g.C * p.g.S;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.x.scalar_type(),
+                                  "backward_elemt_cuda", [&] {
+    using A = at::acc_type<scalar_t, true>;
+    constexpr int kVec = 16 / sizeof(scalar_t);
+    const Params<A> prm = params_of<A>(p);
+    const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
+    const scalar_t* gp = dy.const_data_ptr<scalar_t>();
+    scalar_t* op = dx.mutable_data_ptr<scalar_t>();
+    const int vec = vector_width<scalar_t>(p, {xp, gp, op});
+    auto launch = [&](auto relu_c, auto cl_c, auto vec_c, auto index) {
+      using I = decltype(index);
+      constexpr int V = decltype(vec_c)::value;
+      backward_elemt_kernel<scalar_t, A, decltype(relu_c)::value, decltype(cl_c)::value, V, I>
+          <<<grid_1d(total / V), kThreads, 0, stream>>>(
+              gp, xp, op, prm, s1.const_data_ptr<A>(), s2.const_data_ptr<A>(),
+              m.const_data_ptr<A>(), per_slice_count, static_cast<I>(total),
+              static_cast<I>(p.g.C), static_cast<I>(p.g.S), static_cast<I>(slice_elems));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (vec == kVec) {
+      with_layout_and_index<kVec>(relu, cl, small, launch);
+    } else {
+      with_layout_and_index<1>(relu, cl, small, launch);
+    }
+  });
+  return dx;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(syncbn_lab, CUDA, m) {
+  m.impl("local_stats", &local_stats_cuda);
+  m.impl("merge_stats", &merge_stats_cuda);
+  m.impl("forward_elemt", &forward_elemt_cuda);
+  m.impl("backward_reduce", &backward_reduce_cuda);
+  m.impl("backward_elemt", &backward_elemt_cuda);
+}
+
+}  // namespace syncbn_lab

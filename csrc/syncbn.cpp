@@ -1,0 +1,94 @@
+// Op schemas of the syncbn_lab library (declared once, here) and the composite
+// batch_norm_train, built from the primitives for every device.
+// Kernels: syncbn_cpu.cpp (CPU), cuda/syncbn.cu (CUDA). How to add an op: README.md.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "syncbn.h"
+
+extern "C" {
+// `import syncbn_lab._C` only has to load this library so that its TORCH_LIBRARY blocks
+// run; the ops are then reached as torch.ops.syncbn_lab.*. No Python bindings, so the
+// module is built against the stable ABI (py_limited_api).
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT,
+      "_C",  // name
+      "syncbn_lab's fused BatchNorm ops; use torch.ops.syncbn_lab or syncbn_lab.nn.ops.",
+      -1,    // size of per-interpreter state
+      nullptr,
+  };
+  return PyModule_Create(&module_def);
+}
+}
+
+namespace syncbn_lab {
+
+namespace {
+
+using at::Tensor;
+
+// The composite calls the primitives through the dispatcher, so it runs on any device
+// that implements them (CPU, CUDA) and never needs its own kernel.
+std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train(
+    const Tensor& x, const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
+    int64_t devices, int64_t group_size, double eps, bool relu) {
+  TORCH_CHECK(group_size >= 1 && devices % group_size == 0,
+              "syncbn_lab::batch_norm_train: group_size must divide devices, got group_size=",
+              group_size, " and devices=", devices);
+  static auto local_stats_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("syncbn_lab::local_stats", "")
+          .typed<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, int64_t)>();
+  static auto merge_stats_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("syncbn_lab::merge_stats", "")
+          .typed<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&,
+                                                    const Tensor&)>();
+  static auto forward_elemt_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("syncbn_lab::forward_elemt", "")
+          .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                        const std::optional<Tensor>&, bool)>();
+
+  auto [count, mean, m2] = local_stats_op.call(x, devices);
+  if (group_size > 1) {
+    const int64_t groups = devices / group_size;
+    const int64_t C = mean.size(1);
+    std::tie(count, mean, m2) =
+        merge_stats_op.call(count.view({groups, group_size}), mean.view({groups, group_size, C}),
+                            m2.view({groups, group_size, C}));
+  }
+  // An empty slice has count 0 and m2 0: its variance is 0, never NaN.
+  auto var = m2 / count.clamp_min(1).unsqueeze(-1);
+  auto invstd = (var + eps).rsqrt();
+  auto y = forward_elemt_op.call(x, mean, invstd, weight, bias, relu);
+  return {y, mean, var, invstd};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(syncbn_lab, m) {
+  // Shapes: x (N, C, *spatial); `devices` equal slices along N; stats in float32
+  // (float64 for float64 input). See README.md for the full contract of each op.
+  m.def("local_stats(Tensor x, int devices) -> (Tensor count, Tensor mean, Tensor m2)");
+  m.def("merge_stats(Tensor count, Tensor mean, Tensor m2) -> (Tensor count, Tensor mean, Tensor m2)");
+  m.def(
+      "forward_elemt(Tensor x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, "
+      "bool relu) -> Tensor");
+  m.def(
+      "backward_reduce(Tensor dy, Tensor x, Tensor mean, Tensor invstd, Tensor? weight, "
+      "Tensor? bias, bool relu) -> (Tensor sum_dy, Tensor sum_dy_xhat)");
+  m.def(
+      "backward_elemt(Tensor dy, Tensor x, Tensor mean, Tensor invstd, Tensor? weight, "
+      "Tensor? bias, Tensor sum_dy, Tensor sum_dy_xhat, Tensor count, bool relu) -> Tensor");
+  m.def(
+      "batch_norm_train(Tensor x, Tensor? weight, Tensor? bias, int devices, int group_size, "
+      "float eps, bool relu) -> (Tensor y, Tensor mean, Tensor var, Tensor invstd)");
+}
+
+TORCH_LIBRARY_IMPL(syncbn_lab, CompositeExplicitAutograd, m) {
+  m.impl("batch_norm_train", &batch_norm_train);
+}
+
+}  // namespace syncbn_lab

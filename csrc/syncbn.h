@@ -1,0 +1,131 @@
+// Shared declarations of the syncbn_lab ops: layouts, argument checks, dtypes.
+//
+// Every kernel (CPU in syncbn_cpu.cpp, CUDA in cuda/syncbn.cu) sees its input as
+// x of logical shape (N, C, S), S = the product of the spatial sizes (1 for 2-D input),
+// cut along N into `slices` equal device slices of n = N / slices samples each.
+// Two memory layouts are handled natively:
+//   ChannelsFirst: x.is_contiguous()                      -> memory [N][C][S]
+//   ChannelsLast:  channels_last / channels_last_3d dense  -> memory [N][S][C]
+// anything else is copied to ChannelsFirst first. Outputs shaped like x (y, dx) use the
+// layout the kernel ran in; register_fake in ops.py applies the same rule.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace syncbn_lab {
+
+enum class Layout { ChannelsFirst, ChannelsLast };
+
+// True when every dimension of size > 1 has the stride of a dense (N, *spatial, C) tensor.
+inline bool is_channels_last_dense(const at::Tensor& x) {
+  if (x.dim() < 3) return false;
+  const auto sizes = x.sizes();
+  const auto strides = x.strides();
+  int64_t expected = 1;
+  if (sizes[1] != 1 && strides[1] != expected) return false;
+  expected *= sizes[1];
+  for (int64_t d = x.dim() - 1; d >= 2; --d) {
+    if (sizes[d] != 1 && strides[d] != expected) return false;
+    expected *= sizes[d];
+  }
+  return sizes[0] == 1 || strides[0] == expected;
+}
+
+inline Layout layout_of(const at::Tensor& x) {
+  if (x.is_contiguous()) return Layout::ChannelsFirst;
+  if (is_channels_last_dense(x)) return Layout::ChannelsLast;
+  return Layout::ChannelsFirst;  // after a copy, see as_layout()
+}
+
+inline std::vector<int64_t> channels_last_strides(at::IntArrayRef sizes) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t expected = 1;
+  strides[1] = expected;
+  expected *= sizes[1];
+  for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 2; --d) {
+    strides[d] = expected;
+    expected *= sizes[d];
+  }
+  strides[0] = expected;
+  return strides;
+}
+
+inline at::Tensor empty_in_layout(at::IntArrayRef sizes, const at::TensorOptions& options,
+                                  Layout layout) {
+  if (layout == Layout::ChannelsFirst) return at::empty(sizes, options);
+  return at::empty_strided(sizes, channels_last_strides(sizes), options);
+}
+
+// t with exactly the strides of `layout` (a copy only when it has other strides).
+inline at::Tensor as_layout(const at::Tensor& t, Layout layout) {
+  if (layout == Layout::ChannelsFirst) return t.contiguous();
+  if (is_channels_last_dense(t)) return t;
+  auto out = empty_in_layout(t.sizes(), t.options(), layout);
+  out.copy_(t);
+  return out;
+}
+
+// (N, C, S) of an input of 2 to 5 dimensions, checked against the number of slices.
+struct Geometry {
+  int64_t N = 0, C = 0, S = 1, slices = 1, n = 0;  // n = N / slices samples per slice
+};
+
+inline Geometry geometry_of(const at::Tensor& x, int64_t slices, const char* op) {
+  TORCH_CHECK(x.dim() >= 2 && x.dim() <= 5, "syncbn_lab::", op,
+              ": expected a 2-D to 5-D input (N, C, *spatial), got ", x.dim(), "-D");
+  TORCH_CHECK(slices >= 1, "syncbn_lab::", op, ": the number of device slices must be >= 1, got ",
+              slices);
+  Geometry g;
+  g.N = x.size(0);
+  g.C = x.size(1);
+  g.S = 1;
+  for (int64_t d = 2; d < x.dim(); ++d) g.S *= x.size(d);
+  g.slices = slices;
+  TORCH_CHECK(g.N % slices == 0, "syncbn_lab::", op, ": the batch size ", g.N,
+              " is not divisible by the number of device slices ", slices);
+  g.n = g.N / slices;
+  return g;
+}
+
+inline at::ScalarType acc_dtype(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+inline void check_floating(const at::Tensor& x, const char* op) {
+  const auto t = x.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16,
+              "syncbn_lab::", op, ": expected a float32, float64, float16 or bfloat16 input, got ",
+              t);
+}
+
+// Per-slice statistics (mean, invstd, sums) arrive as (G, C) or (C,) (one shared row);
+// returns G and checks that it divides the batch.
+inline int64_t slices_of_stats(const at::Tensor& x, const at::Tensor& stat, const char* what,
+                               const char* op) {
+  const int64_t C = x.size(1);
+  TORCH_CHECK((stat.dim() == 1 && stat.size(0) == C) || (stat.dim() == 2 && stat.size(1) == C),
+              "syncbn_lab::", op, ": ", what, " must have shape (C,) or (slices, C) with C = ", C,
+              ", got ", stat.sizes());
+  return stat.dim() == 1 ? 1 : stat.size(0);
+}
+
+// Small per-channel/per-slice tensors as contiguous acc-typed tensors on x's device.
+inline at::Tensor stat_as(const at::Tensor& t, const at::Tensor& x, at::ScalarType acc) {
+  TORCH_CHECK(t.device() == x.device(), "syncbn_lab: expected all tensors on ", x.device(),
+              ", got one on ", t.device());
+  return t.to(acc).contiguous();
+}
+
+inline at::Tensor optional_param(const std::optional<at::Tensor>& p, const at::Tensor& x,
+                                 at::ScalarType acc, const char* what, const char* op) {
+  if (!p.has_value() || !p->defined()) return at::Tensor();
+  TORCH_CHECK(p->dim() == 1 && p->size(0) == x.size(1), "syncbn_lab::", op, ": ", what,
+              " must have shape (C,) with C = ", x.size(1), ", got ", p->sizes());
+  return stat_as(*p, x, acc);
+}
+
+}  // namespace syncbn_lab

@@ -1,0 +1,700 @@
+// CPU kernels of the syncbn_lab ops (schemas in syncbn.cpp).
+//
+// Two loop shapes cover every layout (see syncbn.h):
+//   planes: ChannelsFirst with S >= kPlaneMin. One task per (slice, channel) walks n
+//           contiguous planes of S values with kLanes independent accumulators.
+//   rows:   ChannelsLast (rows of W = C values) and ChannelsFirst with small S (a sample is a
+//           row of W = C*S "virtual channels", merged per channel at the end). Tasks take
+//           chunks of rows; every column has its own accumulator, so the inner loop over W
+//           is a plain vectorisable loop.
+// The hot loops are leaf functions compiled for x86-64-v4, -v3 and baseline with GCC's
+// target_clones (the loader picks one at run time), so a build is fast and portable.
+// setup.py compiles this file with -ffp-contract=off: the ReLU mask recomputed in the
+// backward, (x - mean) * scale + bias > 0, is then bit-identical to the forward's output.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "syncbn.h"
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
+    !defined(SYNCBN_LAB_NO_CLONES)
+#define SYNCBN_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define SYNCBN_CLONES
+#endif
+
+namespace syncbn_lab {
+namespace {
+
+using at::Tensor;
+
+constexpr int64_t kLanes = 16;     // independent accumulators per plane task
+constexpr int64_t kPlaneMin = 32;  // S from which ChannelsFirst uses the plane loops
+constexpr int64_t kMinChunkRows = 16;
+constexpr int64_t kElemGrain = 1 << 15;  // elements per parallel task in elementwise loops
+
+template <typename T>
+struct AccOf {
+  using type = float;
+};
+template <>
+struct AccOf<double> {
+  using type = double;
+};
+
+// ---------------------------------------------------------------------------------------
+// Welford statistics
+// ---------------------------------------------------------------------------------------
+
+template <typename A>
+struct Welford {
+  A n = 0, mean = 0, m2 = 0;
+  // Chan et al.: the count-weighted merge of two partial results.
+  void merge(A nb, A mb, A m2b) {
+    const A total = n + nb;
+    if (nb == A(0)) return;
+    const A delta = mb - mean;
+    const A fb = nb / total;
+    mean += delta * fb;
+    m2 += m2b + delta * delta * n * fb;
+    n = total;
+  }
+};
+
+// Welford over `planes` runs of S contiguous values spaced `stride` apart.
+template <typename T, typename A>
+SYNCBN_CLONES void welford_planes(const T* __restrict__ x, int64_t planes, int64_t stride,
+                                  int64_t S, A* __restrict__ out /* n, mean, m2 */) {
+  A mean[kLanes] = {};
+  A m2[kLanes] = {};
+  A k = 0;  // values seen by every lane
+  Welford<A> tail;
+  const int64_t Sv = S - S % kLanes;
+  for (int64_t p = 0; p < planes; ++p) {
+    const T* __restrict__ row = x + p * stride;
+    for (int64_t s = 0; s < Sv; s += kLanes) {
+      k += A(1);
+      const A rc = A(1) / k;
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const A v = static_cast<A>(row[s + l]);
+        const A d = v - mean[l];
+        mean[l] += d * rc;
+        m2[l] += d * (v - mean[l]);
+      }
+    }
+    for (int64_t s = Sv; s < S; ++s) {
+      const A v = static_cast<A>(row[s]);
+      tail.n += A(1);
+      const A d = v - tail.mean;
+      tail.mean += d / tail.n;
+      tail.m2 += d * (v - tail.mean);
+    }
+  }
+  // Lanes hold equal counts: a pairwise tree where n_a n_b / n = k / 2.
+  for (int64_t width = kLanes / 2; width >= 1; width /= 2) {
+    for (int64_t l = 0; l < width; ++l) {
+      const A delta = mean[l + width] - mean[l];
+      m2[l] += m2[l + width] + delta * delta * k * A(0.5);
+      mean[l] = A(0.5) * (mean[l] + mean[l + width]);
+    }
+    k *= A(2);
+  }
+  Welford<A> total;
+  total.n = Sv > 0 ? k : A(0);
+  total.mean = Sv > 0 ? mean[0] : A(0);
+  total.m2 = Sv > 0 ? m2[0] : A(0);
+  total.merge(tail.n, tail.mean, tail.m2);
+  out[0] = total.n;
+  out[1] = total.mean;
+  out[2] = total.m2;
+}
+
+// Column-wise Welford over `rows` rows of W values; mean and m2 start at zero.
+template <typename T, typename A>
+SYNCBN_CLONES void welford_rows(const T* __restrict__ x, int64_t rows, int64_t W,
+                                A* __restrict__ mean, A* __restrict__ m2) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const A rc = A(1) / A(r + 1);
+    const T* __restrict__ row = x + r * W;
+    for (int64_t w = 0; w < W; ++w) {
+      const A v = static_cast<A>(row[w]);
+      const A d = v - mean[w];
+      mean[w] += d * rc;
+      m2[w] += d * (v - mean[w]);
+    }
+  }
+}
+
+// How the rows of one slice are cut into chunks for the row loops.
+struct RowPlan {
+  int64_t W = 0;               // values per row
+  int64_t rows_per_slice = 0;  // rows in one slice
+  int64_t chunks = 1;          // chunks per slice
+  int64_t first_row(int64_t chunk) const { return chunk * rows_per_slice / chunks; }
+};
+
+RowPlan row_plan(const Geometry& g, Layout layout, int64_t slices) {
+  RowPlan plan;
+  plan.W = layout == Layout::ChannelsLast ? g.C : g.C * g.S;
+  plan.rows_per_slice = (layout == Layout::ChannelsLast ? g.S : 1) * (g.N / slices);
+  const int64_t want = (4 * at::get_num_threads() + slices - 1) / slices;
+  plan.chunks = std::max<int64_t>(1, std::min(want, plan.rows_per_slice / kMinChunkRows));
+  return plan;
+}
+
+bool use_planes(const Geometry& g, Layout layout) {
+  return layout == Layout::ChannelsFirst && g.S >= kPlaneMin;
+}
+
+std::tuple<Tensor, Tensor, Tensor> local_stats_cpu(const Tensor& x_in, int64_t devices) {
+  check_floating(x_in, "local_stats");
+  const Geometry g = geometry_of(x_in, devices, "local_stats");
+  const Layout layout = layout_of(x_in);
+  const Tensor x = as_layout(x_in, layout);
+  const auto acc = acc_dtype(x.scalar_type());
+  const auto opts = x.options().dtype(acc);
+  Tensor count = at::full({g.slices}, static_cast<double>(g.n * g.S), opts);
+  Tensor mean = at::zeros({g.slices, g.C}, opts);
+  Tensor m2 = at::zeros({g.slices, g.C}, opts);
+  if (x.numel() == 0) return {count, mean, m2};
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "local_stats_cpu",
+                                  [&] {
+    using A = typename AccOf<scalar_t>::type;
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    A* mp = mean.mutable_data_ptr<A>();
+    A* m2p = m2.mutable_data_ptr<A>();
+    const int64_t C = g.C, S = g.S, n = g.n;
+    if (use_planes(g, layout)) {
+      at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t d = i / C, c = i % C;
+          A out[3];
+          welford_planes<scalar_t, A>(xp + (d * n * C + c) * S, n, C * S, S, out);
+          mp[i] = out[1];
+          m2p[i] = out[2];
+        }
+      });
+      return;
+    }
+    const RowPlan plan = row_plan(g, layout, g.slices);
+    const int64_t W = plan.W, T = plan.chunks;
+    std::vector<A> pmean(g.slices * T * W, A(0)), pm2(g.slices * T * W, A(0));
+    at::parallel_for(0, g.slices * T, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t d = task / T, t = task % T;
+        const int64_t r0 = plan.first_row(t), r1 = plan.first_row(t + 1);
+        welford_rows<scalar_t, A>(xp + (d * plan.rows_per_slice + r0) * W, r1 - r0, W,
+                                  pmean.data() + task * W, pm2.data() + task * W);
+      }
+    });
+    // Merge the chunks, then (ChannelsFirst) the S virtual channels of every channel.
+    const int64_t per_channel = W / C;
+    at::parallel_for(0, g.slices * C, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t d = i / C, c = i % C;
+        Welford<A> total;
+        for (int64_t v = 0; v < per_channel; ++v) {
+          const int64_t w = c * per_channel + v;
+          for (int64_t t = 0; t < T; ++t) {
+            const A rows = A(plan.first_row(t + 1) - plan.first_row(t));
+            total.merge(rows, pmean[(d * T + t) * W + w], pm2[(d * T + t) * W + w]);
+          }
+        }
+        mp[i] = total.mean;
+        m2p[i] = total.m2;
+      }
+    });
+  });
+  return {count, mean, m2};
+}
+
+// count (*B, K), mean and m2 (*B, K, C) -> count (*B), mean and m2 (*B, C).
+std::tuple<Tensor, Tensor, Tensor> merge_stats_cpu(const Tensor& count_in, const Tensor& mean_in,
+                                                   const Tensor& m2_in) {
+  TORCH_CHECK(mean_in.dim() >= 2 && m2_in.sizes() == mean_in.sizes(),
+              "syncbn_lab::merge_stats: mean and m2 must have the same shape (*B, K, C), got ",
+              mean_in.sizes(), " and ", m2_in.sizes());
+  TORCH_CHECK(count_in.sizes() == mean_in.sizes().slice(0, mean_in.dim() - 1),
+              "syncbn_lab::merge_stats: count must have shape (*B, K) = ",
+              mean_in.sizes().slice(0, mean_in.dim() - 1), ", got ", count_in.sizes());
+  TORCH_CHECK(at::isFloatingType(mean_in.scalar_type()) && mean_in.element_size() >= 4,
+              "syncbn_lab::merge_stats: expected float32 or float64 statistics, got ",
+              mean_in.scalar_type());
+  const int64_t C = mean_in.size(-1), K = mean_in.size(-2);
+  const int64_t B = c10::multiply_integers(mean_in.sizes().slice(0, mean_in.dim() - 2));
+  const auto acc = mean_in.scalar_type();
+  const Tensor count = count_in.to(acc).contiguous();
+  const Tensor mean = mean_in.contiguous();
+  const Tensor m2 = m2_in.to(acc).contiguous();
+  auto out_batch = mean_in.sizes().slice(0, mean_in.dim() - 2).vec();
+  Tensor count_out = at::empty(out_batch, count_in.options());
+  auto stat_shape = out_batch;
+  stat_shape.push_back(C);
+  Tensor mean_out = at::empty(stat_shape, mean_in.options());
+  Tensor m2_out = at::empty(stat_shape, mean_in.options());
+  Tensor count_acc = at::empty(out_batch, mean_in.options());
+
+  AT_DISPATCH_FLOATING_TYPES(acc, "merge_stats_cpu", [&] {
+    using A = scalar_t;
+    const A* np = count.const_data_ptr<A>();
+    const A* mp = mean.const_data_ptr<A>();
+    const A* m2p = m2.const_data_ptr<A>();
+    A* cop = count_acc.mutable_data_ptr<A>();
+    A* mop = mean_out.mutable_data_ptr<A>();
+    A* m2op = m2_out.mutable_data_ptr<A>();
+    for (int64_t b = 0; b < B; ++b) {
+      A total = 0;
+      for (int64_t k = 0; k < K; ++k) total += np[b * K + k];
+      cop[b] = total;
+    }
+    at::parallel_for(0, B * C, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / C, c = i % C;
+        Welford<A> w;
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t j = (b * K + k) * C + c;
+          w.merge(np[b * K + k], mp[j], m2p[j]);
+        }
+        mop[i] = w.mean;
+        m2op[i] = w.m2;
+      }
+    });
+  });
+  count_out.copy_(count_acc);
+  return {count_out, mean_out, m2_out};
+}
+
+// ---------------------------------------------------------------------------------------
+// Elementwise forward: y = (x - mean) * scale + shift, scale = weight * invstd, shift = bias
+// ---------------------------------------------------------------------------------------
+
+// Per (slice, channel) coefficients, shared by the forward and the backward so that the
+// ReLU mask is recomputed from exactly the same numbers.
+template <typename A>
+struct Coefficients {
+  int64_t slices = 1, C = 0;
+  std::vector<A> mean, scale, invstd;  // (slices, C)
+  std::vector<A> shift;                // (C)
+};
+
+template <typename A>
+Coefficients<A> coefficients(const Tensor& mean, const Tensor& invstd, const Tensor& weight,
+                             const Tensor& bias, int64_t slices, int64_t C) {
+  Coefficients<A> k;
+  k.slices = slices;
+  k.C = C;
+  const A* mp = mean.const_data_ptr<A>();
+  const A* ip = invstd.const_data_ptr<A>();
+  const A* wp = weight.defined() ? weight.const_data_ptr<A>() : nullptr;
+  const A* bp = bias.defined() ? bias.const_data_ptr<A>() : nullptr;
+  k.mean.assign(mp, mp + slices * C);
+  k.invstd.assign(ip, ip + slices * C);
+  k.scale.resize(slices * C);
+  for (int64_t i = 0; i < slices * C; ++i) k.scale[i] = wp ? wp[i % C] * ip[i] : ip[i];
+  k.shift.assign(C, A(0));
+  if (bp) std::copy(bp, bp + C, k.shift.begin());
+  return k;
+}
+
+// Expands per-channel values of one slice to the W = C * S virtual channels of a row.
+template <typename A>
+std::vector<A> expand(const A* per_channel, int64_t C, int64_t per) {
+  std::vector<A> out(C * per);
+  for (int64_t c = 0; c < C; ++c) std::fill_n(out.begin() + c * per, per, per_channel[c]);
+  return out;
+}
+
+template <typename A>
+inline A relu_of(A v) {
+  return v < A(0) ? A(0) : v;  // NaN stays NaN, as torch.relu
+}
+
+template <typename T, typename A, bool RELU>
+SYNCBN_CLONES void affine_plane(const T* __restrict__ x, T* __restrict__ y, int64_t len, A mean,
+                                A scale, A shift) {
+  for (int64_t s = 0; s < len; ++s) {
+    const A v = (static_cast<A>(x[s]) - mean) * scale + shift;
+    y[s] = static_cast<T>(RELU ? relu_of(v) : v);
+  }
+}
+
+template <typename T, typename A, bool RELU>
+SYNCBN_CLONES void affine_row(const T* __restrict__ x, T* __restrict__ y, int64_t W,
+                              const A* __restrict__ mean, const A* __restrict__ scale,
+                              const A* __restrict__ shift) {
+  for (int64_t w = 0; w < W; ++w) {
+    const A v = (static_cast<A>(x[w]) - mean[w]) * scale[w] + shift[w];
+    y[w] = static_cast<T>(RELU ? relu_of(v) : v);
+  }
+}
+
+// Inputs of the elementwise/backward ops after checks: x and friends in one layout.
+struct Prepared {
+  Geometry g;
+  Layout layout = Layout::ChannelsFirst;
+  Tensor x, mean, invstd, weight, bias;
+  at::ScalarType acc = at::kFloat;
+};
+
+Prepared prepare(const Tensor& x_in, const Tensor& mean, const Tensor& invstd,
+                 const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
+                 const char* op) {
+  check_floating(x_in, op);
+  Prepared p;
+  const int64_t slices = slices_of_stats(x_in, mean, "mean", op);
+  TORCH_CHECK(invstd.sizes() == mean.sizes(), "syncbn_lab::", op,
+              ": invstd must have the shape of mean ", mean.sizes(), ", got ", invstd.sizes());
+  p.g = geometry_of(x_in, slices, op);
+  p.layout = layout_of(x_in);
+  p.x = as_layout(x_in, p.layout);
+  p.acc = acc_dtype(x_in.scalar_type());
+  p.mean = stat_as(mean, x_in, p.acc);
+  p.invstd = stat_as(invstd, x_in, p.acc);
+  p.weight = optional_param(weight, x_in, p.acc, "weight", op);
+  p.bias = optional_param(bias, x_in, p.acc, "bias", op);
+  return p;
+}
+
+template <bool RELU, typename scalar_t, typename A>
+void forward_loops(const Prepared& p, const Coefficients<A>& k, Tensor& y) {
+  const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
+  scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+  const Geometry& g = p.g;
+  const int64_t C = g.C, S = g.S;
+  if (use_planes(g, p.layout)) {
+    const int64_t grain = std::max<int64_t>(1, kElemGrain / S);
+    at::parallel_for(0, g.N * C, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t c = row % C, d = (row / C) / g.n;
+        const int64_t j = d * C + c;
+        affine_plane<scalar_t, A, RELU>(xp + row * S, yp + row * S, S, k.mean[j], k.scale[j],
+                                        k.shift[c]);
+      }
+    });
+    return;
+  }
+  const RowPlan plan = row_plan(g, p.layout, g.slices);
+  const int64_t W = plan.W, per = W / C;
+  std::vector<A> mean = k.mean, scale = k.scale, shift = k.shift;
+  if (per > 1) {
+    std::vector<A> em, es;
+    for (int64_t d = 0; d < g.slices; ++d) {
+      auto m = expand(k.mean.data() + d * C, C, per);
+      auto s = expand(k.scale.data() + d * C, C, per);
+      em.insert(em.end(), m.begin(), m.end());
+      es.insert(es.end(), s.begin(), s.end());
+    }
+    mean.swap(em);
+    scale.swap(es);
+    shift = expand(k.shift.data(), C, per);
+  }
+  const int64_t rows = g.slices * plan.rows_per_slice;
+  const int64_t grain = std::max<int64_t>(1, kElemGrain / std::max<int64_t>(W, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t d = r / plan.rows_per_slice;
+      affine_row<scalar_t, A, RELU>(xp + r * W, yp + r * W, W, mean.data() + d * W,
+                                    scale.data() + d * W, shift.data());
+    }
+  });
+}
+
+Tensor forward_elemt_cpu(const Tensor& x_in, const Tensor& mean, const Tensor& invstd,
+                         const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
+                         bool relu) {
+  const Prepared p = prepare(x_in, mean, invstd, weight, bias, "forward_elemt");
+  Tensor y = empty_in_layout(p.x.sizes(), p.x.options(), p.layout);
+  if (p.x.numel() == 0) return y;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.x.scalar_type(),
+                                  "forward_elemt_cpu", [&] {
+    using A = typename AccOf<scalar_t>::type;
+    const auto k = coefficients<A>(p.mean, p.invstd, p.weight, p.bias, p.g.slices, p.g.C);
+    if (relu) {
+      forward_loops<true, scalar_t, A>(p, k, y);
+    } else {
+      forward_loops<false, scalar_t, A>(p, k, y);
+    }
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward: sums of dy' and dy' * (x - mean), then dx
+// ---------------------------------------------------------------------------------------
+
+template <typename T, typename A, bool RELU>
+SYNCBN_CLONES void grad_sums_planes(const T* __restrict__ dy, const T* __restrict__ x,
+                                    int64_t planes, int64_t stride, int64_t S, A mean, A scale,
+                                    A shift, A* __restrict__ out /* sum_dy, sum_dy_xmu */) {
+  A sdy[kLanes] = {};
+  A sdyx[kLanes] = {};
+  A tdy = 0, tdyx = 0;
+  const int64_t Sv = S - S % kLanes;
+  for (int64_t p = 0; p < planes; ++p) {
+    const T* __restrict__ xr = x + p * stride;
+    const T* __restrict__ gr = dy + p * stride;
+    for (int64_t s = 0; s < Sv; s += kLanes) {
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const A xm = static_cast<A>(xr[s + l]) - mean;
+        A g = static_cast<A>(gr[s + l]);
+        if (RELU) g = xm * scale + shift > A(0) ? g : A(0);
+        sdy[l] += g;
+        sdyx[l] += g * xm;
+      }
+    }
+    for (int64_t s = Sv; s < S; ++s) {
+      const A xm = static_cast<A>(xr[s]) - mean;
+      A g = static_cast<A>(gr[s]);
+      if (RELU) g = xm * scale + shift > A(0) ? g : A(0);
+      tdy += g;
+      tdyx += g * xm;
+    }
+  }
+  for (int64_t width = kLanes / 2; width >= 1; width /= 2) {
+    for (int64_t l = 0; l < width; ++l) {
+      sdy[l] += sdy[l + width];
+      sdyx[l] += sdyx[l + width];
+    }
+  }
+  out[0] = sdy[0] + tdy;
+  out[1] = sdyx[0] + tdyx;
+}
+
+template <typename T, typename A, bool RELU>
+SYNCBN_CLONES void grad_sums_rows(const T* __restrict__ dy, const T* __restrict__ x, int64_t rows,
+                                  int64_t W, const A* __restrict__ mean,
+                                  const A* __restrict__ scale, const A* __restrict__ shift,
+                                  A* __restrict__ sdy, A* __restrict__ sdyx) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* __restrict__ xr = x + r * W;
+    const T* __restrict__ gr = dy + r * W;
+    for (int64_t w = 0; w < W; ++w) {
+      const A xm = static_cast<A>(xr[w]) - mean[w];
+      A g = static_cast<A>(gr[w]);
+      if (RELU) g = xm * scale[w] + shift[w] > A(0) ? g : A(0);
+      sdy[w] += g;
+      sdyx[w] += g * xm;
+    }
+  }
+}
+
+template <bool RELU, typename scalar_t, typename A>
+void backward_reduce_loops(const Prepared& p, const Tensor& dy, const Coefficients<A>& k,
+                           A* sum_dy, A* sum_dy_xhat) {
+  const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
+  const scalar_t* gp = dy.const_data_ptr<scalar_t>();
+  const Geometry& g = p.g;
+  const int64_t C = g.C, S = g.S, n = g.n;
+  if (use_planes(g, p.layout)) {
+    at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t d = i / C, c = i % C;
+        const int64_t off = (d * n * C + c) * S;
+        A out[2];
+        grad_sums_planes<scalar_t, A, RELU>(gp + off, xp + off, n, C * S, S, k.mean[i],
+                                            k.scale[i], k.shift[c], out);
+        sum_dy[i] = out[0];
+        sum_dy_xhat[i] = out[1] * k.invstd[i];
+      }
+    });
+    return;
+  }
+  const RowPlan plan = row_plan(g, p.layout, g.slices);
+  const int64_t W = plan.W, T = plan.chunks, per = W / C;
+  std::vector<A> mean(g.slices * W), scale(g.slices * W), shift(W);
+  for (int64_t w = 0; w < W; ++w) shift[w] = k.shift[w / per];
+  for (int64_t d = 0; d < g.slices; ++d) {
+    for (int64_t w = 0; w < W; ++w) {
+      mean[d * W + w] = k.mean[d * C + w / per];
+      scale[d * W + w] = k.scale[d * C + w / per];
+    }
+  }
+  std::vector<A> psdy(g.slices * T * W, A(0)), psdyx(g.slices * T * W, A(0));
+  at::parallel_for(0, g.slices * T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t d = task / T, t = task % T;
+      const int64_t r0 = plan.first_row(t), r1 = plan.first_row(t + 1);
+      const int64_t off = (d * plan.rows_per_slice + r0) * W;
+      grad_sums_rows<scalar_t, A, RELU>(gp + off, xp + off, r1 - r0, W, mean.data() + d * W,
+                                        scale.data() + d * W, shift.data(),
+                                        psdy.data() + task * W, psdyx.data() + task * W);
+    }
+  });
+  for (int64_t d = 0; d < g.slices; ++d) {
+    for (int64_t c = 0; c < C; ++c) {
+      A a = 0, b = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t v = 0; v < per; ++v) {
+          a += psdy[(d * T + t) * W + c * per + v];
+          b += psdyx[(d * T + t) * W + c * per + v];
+        }
+      }
+      sum_dy[d * C + c] = a;
+      sum_dy_xhat[d * C + c] = b * k.invstd[d * C + c];
+    }
+  }
+}
+
+std::tuple<Tensor, Tensor> backward_reduce_cpu(const Tensor& dy_in, const Tensor& x_in,
+                                               const Tensor& mean, const Tensor& invstd,
+                                               const std::optional<Tensor>& weight,
+                                               const std::optional<Tensor>& bias, bool relu) {
+  TORCH_CHECK(dy_in.sizes() == x_in.sizes() && dy_in.scalar_type() == x_in.scalar_type(),
+              "syncbn_lab::backward_reduce: dy must have the shape and dtype of x, got ",
+              dy_in.sizes(), " ", dy_in.scalar_type(), " and ", x_in.sizes(), " ",
+              x_in.scalar_type());
+  const Prepared p = prepare(x_in, mean, invstd, weight, bias, "backward_reduce");
+  const Tensor dy = as_layout(dy_in, p.layout);
+  Tensor sum_dy = at::zeros(mean.sizes(), p.x.options().dtype(p.acc));
+  Tensor sum_dy_xhat = at::zeros(mean.sizes(), p.x.options().dtype(p.acc));
+  if (p.x.numel() == 0) return {sum_dy, sum_dy_xhat};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.x.scalar_type(),
+                                  "backward_reduce_cpu", [&] {
+    using A = typename AccOf<scalar_t>::type;
+    const auto k = coefficients<A>(p.mean, p.invstd, p.weight, p.bias, p.g.slices, p.g.C);
+    A* s1 = sum_dy.mutable_data_ptr<A>();
+    A* s2 = sum_dy_xhat.mutable_data_ptr<A>();
+    if (relu) {
+      backward_reduce_loops<true, scalar_t, A>(p, dy, k, s1, s2);
+    } else {
+      backward_reduce_loops<false, scalar_t, A>(p, dy, k, s1, s2);
+    }
+  });
+  return {sum_dy, sum_dy_xhat};
+}
+
+// dx = scale * dy' - kx * (x - mean) - k0, with kx = scale * invstd * sum_dy_xhat / m and
+// k0 = scale * sum_dy / m: the formula of docs/batchnorm.md regrouped per channel.
+template <typename T, typename A, bool RELU>
+SYNCBN_CLONES void dx_plane(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
+                            int64_t len, A mean, A scale, A shift, A kx, A k0) {
+  for (int64_t s = 0; s < len; ++s) {
+    const A xm = static_cast<A>(x[s]) - mean;
+    A g = static_cast<A>(dy[s]);
+    if (RELU) g = xm * scale + shift > A(0) ? g : A(0);
+    dx[s] = static_cast<T>(g * scale - kx * xm - k0);
+  }
+}
+
+template <typename T, typename A, bool RELU>
+SYNCBN_CLONES void dx_row(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
+                          int64_t W, const A* __restrict__ mean, const A* __restrict__ scale,
+                          const A* __restrict__ shift, const A* __restrict__ kx,
+                          const A* __restrict__ k0) {
+  for (int64_t w = 0; w < W; ++w) {
+    const A xm = static_cast<A>(x[w]) - mean[w];
+    A g = static_cast<A>(dy[w]);
+    if (RELU) g = xm * scale[w] + shift[w] > A(0) ? g : A(0);
+    dx[w] = static_cast<T>(g * scale[w] - kx[w] * xm - k0[w]);
+  }
+}
+
+template <bool RELU, typename scalar_t, typename A>
+void backward_elemt_loops(const Prepared& p, const Tensor& dy, const Coefficients<A>& k,
+                          const std::vector<A>& kx, const std::vector<A>& k0, Tensor& dx) {
+  const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
+  const scalar_t* gp = dy.const_data_ptr<scalar_t>();
+  scalar_t* op = dx.mutable_data_ptr<scalar_t>();
+  const Geometry& g = p.g;
+  const int64_t C = g.C, S = g.S;
+  if (use_planes(g, p.layout)) {
+    const int64_t grain = std::max<int64_t>(1, kElemGrain / S);
+    at::parallel_for(0, g.N * C, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t c = row % C, d = (row / C) / g.n;
+        const int64_t j = d * C + c;
+        dx_plane<scalar_t, A, RELU>(gp + row * S, xp + row * S, op + row * S, S, k.mean[j],
+                                    k.scale[j], k.shift[c], kx[j], k0[j]);
+      }
+    });
+    return;
+  }
+  const RowPlan plan = row_plan(g, p.layout, g.slices);
+  const int64_t W = plan.W, per = W / C;
+  std::vector<A> mean(g.slices * W), scale(g.slices * W), ekx(g.slices * W), ek0(g.slices * W),
+      shift(W);
+  for (int64_t w = 0; w < W; ++w) shift[w] = k.shift[w / per];
+  for (int64_t d = 0; d < g.slices; ++d) {
+    for (int64_t w = 0; w < W; ++w) {
+      const int64_t j = d * C + w / per;
+      mean[d * W + w] = k.mean[j];
+      scale[d * W + w] = k.scale[j];
+      ekx[d * W + w] = kx[j];
+      ek0[d * W + w] = k0[j];
+    }
+  }
+  const int64_t rows = g.slices * plan.rows_per_slice;
+  const int64_t grain = std::max<int64_t>(1, kElemGrain / std::max<int64_t>(W, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t d = r / plan.rows_per_slice;
+      dx_row<scalar_t, A, RELU>(gp + r * W, xp + r * W, op + r * W, W, mean.data() + d * W,
+                                scale.data() + d * W, shift.data(), ekx.data() + d * W,
+                                ek0.data() + d * W);
+    }
+  });
+}
+
+Tensor backward_elemt_cpu(const Tensor& dy_in, const Tensor& x_in, const Tensor& mean,
+                          const Tensor& invstd, const std::optional<Tensor>& weight,
+                          const std::optional<Tensor>& bias, const Tensor& sum_dy,
+                          const Tensor& sum_dy_xhat, const Tensor& count, bool relu) {
+  TORCH_CHECK(dy_in.sizes() == x_in.sizes() && dy_in.scalar_type() == x_in.scalar_type(),
+              "syncbn_lab::backward_elemt: dy must have the shape and dtype of x, got ",
+              dy_in.sizes(), " ", dy_in.scalar_type(), " and ", x_in.sizes(), " ",
+              x_in.scalar_type());
+  const Prepared p = prepare(x_in, mean, invstd, weight, bias, "backward_elemt");
+  TORCH_CHECK(sum_dy.sizes() == mean.sizes() && sum_dy_xhat.sizes() == mean.sizes(),
+              "syncbn_lab::backward_elemt: sum_dy and sum_dy_xhat must have the shape of mean ",
+              mean.sizes(), ", got ", sum_dy.sizes(), " and ", sum_dy_xhat.sizes());
+  TORCH_CHECK(count.numel() == 1 || count.numel() == p.g.slices,
+              "syncbn_lab::backward_elemt: count must hold 1 or ", p.g.slices,
+              " values (one per slice), got ", count.numel());
+  const Tensor dy = as_layout(dy_in, p.layout);
+  Tensor dx = empty_in_layout(p.x.sizes(), p.x.options(), p.layout);
+  if (p.x.numel() == 0) return dx;
+  const Tensor s1 = stat_as(sum_dy, x_in, p.acc);
+  const Tensor s2 = stat_as(sum_dy_xhat, x_in, p.acc);
+  const Tensor m = stat_as(count, x_in, p.acc).reshape({-1});
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.x.scalar_type(),
+                                  "backward_elemt_cpu", [&] {
+    using A = typename AccOf<scalar_t>::type;
+    const auto k = coefficients<A>(p.mean, p.invstd, p.weight, p.bias, p.g.slices, p.g.C);
+    const A* s1p = s1.const_data_ptr<A>();
+    const A* s2p = s2.const_data_ptr<A>();
+    const A* mp = m.const_data_ptr<A>();
+    const int64_t C = p.g.C;
+    std::vector<A> kx(p.g.slices * C), k0(p.g.slices * C);
+    for (int64_t i = 0; i < p.g.slices * C; ++i) {
+      const A total = mp[m.numel() == 1 ? 0 : i / C];
+      const A inv_m = total > A(0) ? A(1) / total : A(0);
+      kx[i] = k.scale[i] * k.invstd[i] * s2p[i] * inv_m;
+      k0[i] = k.scale[i] * s1p[i] * inv_m;
+    }
+    if (relu) {
+      backward_elemt_loops<true, scalar_t, A>(p, dy, k, kx, k0, dx);
+    } else {
+      backward_elemt_loops<false, scalar_t, A>(p, dy, k, kx, k0, dx);
+    }
+  });
+  return dx;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(syncbn_lab, CPU, m) {
+  m.impl("local_stats", &local_stats_cpu);
+  m.impl("merge_stats", &merge_stats_cpu);
+  m.impl("forward_elemt", &forward_elemt_cpu);
+  m.impl("backward_reduce", &backward_reduce_cpu);
+  m.impl("backward_elemt", &backward_elemt_cpu);
+}
+
+}  // namespace syncbn_lab

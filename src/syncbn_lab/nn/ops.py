@@ -1,0 +1,404 @@
+"""Python face of the fused BatchNorm kernels (torch.ops.syncbn_lab, built from csrc/).
+
+The input is seen as ``devices`` equal consecutive slices along N (what each device holds);
+statistics are float32 (float64 for float64 input). Shapes below: x (N, C, *spatial),
+G = number of statistic rows ("slices" of the elementwise ops).
+
+Composite, differentiable, compiles with ``torch.compile(fullgraph=True)`` (no communication):
+
+- :func:`batch_norm_train` (x, weight, bias, devices, group_size, eps, relu)
+  -> ``BatchNormOutput(y, mean, var, invstd)``, mean/var/invstd (G, C), G = devices/group_size.
+  group_size=1: every slice uses its own statistics (per-device BN under DP/DDP);
+  group_size=devices: all slices share them (SyncBN emulated in one process).
+  ``var`` is biased; each group holds ``count = N / G * prod(spatial)`` values.
+
+Differentiable with a cross-device reduction done in Python between the primitives (DDP):
+
+- :func:`fused_batch_norm_train` (x, weight, bias, devices, eps, relu, reduce_stats,
+  reduce_grads) -> ``FusedBatchNormOutput(y, mean, var, count)``. ``reduce_stats(count (D,),
+  mean (D, C), m2 (D, C))`` returns the global ``(count, mean, m2)`` (shapes () / (C,)), e.g.
+  through one all_reduce; ``reduce_grads(sum_dy, sum_dy_xhat)`` returns their global sums.
+  Without the callables it is :func:`batch_norm_train`.
+
+Primitives (not differentiable; the ops behind both):
+
+- ``local_stats(x, devices) -> (count (D,), mean (D, C), m2 (D, C))``: one-pass Welford.
+- ``merge_stats(count (*B, K), mean (*B, K, C), m2) -> (count (*B), mean (*B, C), m2)``:
+  Chan's count-weighted merge (rows with count 0 are ignored).
+- ``forward_elemt(x, mean, invstd, weight, bias, relu) -> y``: ``(x - mean) * invstd * weight
+  + bias``, then ReLU if asked; mean/invstd (G, C) or (C,).
+- ``backward_reduce(dy, x, mean, invstd, weight, bias, relu) -> (sum_dy, sum_dy_xhat)``,
+  shaped like mean; with ``relu`` dy is masked by y > 0 (y recomputed from x). These are
+  also d(bias) and d(weight) summed over the rows.
+- ``backward_elemt(dy, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count, relu) -> dx``
+  with global sums and count (1 or G values): ``weight * invstd / m * (m dy' - sum_dy - xhat
+  sum_dy_xhat)``.
+
+Outputs shaped like x (y, dx) keep x's layout when it is contiguous or channels-last
+(channels_last / channels_last_3d, or the same for 3-D input); any other layout is computed
+from a contiguous copy and returned contiguous.
+
+Every function raises RuntimeError when the extension is not built; :func:`available` says
+whether it is (and warns once when not), so callers can fall back to the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from syncbn_lab.nn import _ext
+
+__all__ = [
+    "BatchNormOutput",
+    "FusedBatchNormOutput",
+    "available",
+    "backward_elemt",
+    "backward_reduce",
+    "batch_norm_train",
+    "forward_elemt",
+    "fused_batch_norm_train",
+    "local_stats",
+    "merge_stats",
+]
+
+available = _ext.available
+
+StatsReducer = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
+GradsReducer = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+class BatchNormOutput(NamedTuple):
+    y: Tensor
+    mean: Tensor  # (G, C)
+    var: Tensor  # (G, C), biased
+    invstd: Tensor  # (G, C)
+
+
+class FusedBatchNormOutput(NamedTuple):
+    y: Tensor
+    mean: Tensor
+    var: Tensor  # biased
+    count: Tensor  # values behind each row of mean
+
+
+def _ops():
+    if not _ext.load():
+        raise RuntimeError(
+            f"syncbn_lab._C is not built ({_ext.unavailable_reason()}); "
+            "build it with `make build-ext` or use the reference implementation"
+        )
+    return torch.ops.syncbn_lab
+
+
+# ---------------------------------------------------------------------------------------------
+# Primitives
+# ---------------------------------------------------------------------------------------------
+
+
+def local_stats(x: Tensor, devices: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-slice (count, mean, m2) of x cut into ``devices`` slices."""
+    return _ops().local_stats(x, devices)
+
+
+def merge_stats(count: Tensor, mean: Tensor, m2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Merges K rows of statistics (dim -2 of mean) into one, weighted by count."""
+    return _ops().merge_stats(count, mean, m2)
+
+
+def forward_elemt(
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    relu: bool = False,
+) -> Tensor:
+    """y = (x - mean) * invstd * weight + bias (then ReLU), statistics per slice row."""
+    return _ops().forward_elemt(x, mean, invstd, weight, bias, relu)
+
+
+def backward_reduce(
+    dy: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    relu: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """(sum dy', sum dy' * xhat) per statistic row; dy' = dy masked by y > 0 with ``relu``."""
+    return _ops().backward_reduce(dy, x, mean, invstd, weight, bias, relu)
+
+
+def backward_elemt(
+    dy: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    sum_dy: Tensor,
+    sum_dy_xhat: Tensor,
+    count: Tensor,
+    relu: bool = False,
+) -> Tensor:
+    """dx from the (global) sums and count of the statistic rows."""
+    return _ops().backward_elemt(
+        dy, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count, relu
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Composite op: forward in C++ (CompositeExplicitAutograd), backward registered here
+# ---------------------------------------------------------------------------------------------
+
+
+def batch_norm_train(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    devices: int = 1,
+    group_size: int = 1,
+    eps: float = 1e-5,
+    relu: bool = False,
+) -> BatchNormOutput:
+    """Training-mode BatchNorm (+ReLU) of x seen as ``devices`` slices, no communication.
+
+    Statistics are shared within consecutive groups of ``group_size`` slices (1: per-device
+    BN; ``devices``: SyncBN over all slices). Differentiable in x, weight and bias.
+    """
+    return BatchNormOutput(
+        *_ops().batch_norm_train(x, weight, bias, devices, group_size, eps, relu)
+    )
+
+
+def fused_batch_norm_train(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    devices: int = 1,
+    eps: float = 1e-5,
+    relu: bool = False,
+    reduce_stats: StatsReducer | None = None,
+    reduce_grads: GradsReducer | None = None,
+    group_size: int = 1,
+) -> FusedBatchNormOutput:
+    """Training BatchNorm whose statistics and gradient sums go through the given reducers.
+
+    Without reducers this is :func:`batch_norm_train` (``count`` is then a (G,) tensor). With
+    them (both or neither), the local per-slice statistics are handed to ``reduce_stats`` and
+    the local gradient sums to ``reduce_grads`` -- the one collective per direction of
+    SyncBN -- and ``group_size`` is ignored. d(weight) and d(bias) are the local sums, as DDP
+    expects before it averages gradients.
+    """
+    if (reduce_stats is None) != (reduce_grads is None):
+        raise ValueError("pass both reduce_stats and reduce_grads, or neither")
+    if reduce_stats is None:
+        out = batch_norm_train(x, weight, bias, devices, group_size, eps, relu)
+        groups = devices // group_size
+        count = out.mean.new_full((groups,), _values_per_group(x, groups))
+        return FusedBatchNormOutput(out.y, out.mean, out.var, count)
+    y, mean, var, count = _ReducedBatchNorm.apply(
+        x, weight, bias, devices, eps, relu, reduce_stats, reduce_grads
+    )
+    return FusedBatchNormOutput(y, mean, var, count)
+
+
+def _values_per_group(x: Tensor, groups: int) -> int:
+    values = x.shape[0] // groups
+    for size in x.shape[2:]:
+        values = values * size
+    return values
+
+
+def _variance(m2: Tensor, count: Tensor) -> Tensor:
+    count = count.clamp_min(1)
+    return m2 / (count.unsqueeze(-1) if m2.dim() > count.dim() else count)
+
+
+class _ReducedBatchNorm(torch.autograd.Function):
+    """Fused BN whose cross-device reductions are Python callables (eager DDP path)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, devices, eps, relu, reduce_stats, reduce_grads):
+        ops = _ops()
+        count, mean, m2 = ops.local_stats(x, devices)
+        count, mean, m2 = reduce_stats(count, mean, m2)
+        var = _variance(m2, count)
+        invstd = torch.rsqrt(var + eps)
+        y = ops.forward_elemt(x, mean, invstd, weight, bias, relu)
+        ctx.save_for_backward(x, weight, bias, mean, invstd, count)
+        ctx.relu = relu
+        ctx.reduce_grads = reduce_grads
+        ctx.mark_non_differentiable(mean, var, count)
+        return y, mean, var, count
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _dvar, _dcount):
+        x, weight, bias, mean, invstd, count = ctx.saved_tensors
+        ops = torch.ops.syncbn_lab
+        sum_dy, sum_dy_xhat = ops.backward_reduce(dy, x, mean, invstd, weight, bias, ctx.relu)
+        dweight = _rows_sum(sum_dy_xhat, weight) if ctx.needs_input_grad[1] else None
+        dbias = _rows_sum(sum_dy, bias) if ctx.needs_input_grad[2] else None
+        dx = None
+        # Every rank takes part in the collective, whether or not it needs dx.
+        sum_dy, sum_dy_xhat = ctx.reduce_grads(sum_dy, sum_dy_xhat)
+        if ctx.needs_input_grad[0]:
+            dx = ops.backward_elemt(
+                dy, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count, ctx.relu
+            )
+        return dx, dweight, dbias, None, None, None, None, None
+
+
+def _rows_sum(sums: Tensor, param: Tensor) -> Tensor:
+    """Per-channel sum over the statistic rows, in the parameter's dtype."""
+    return (sums.sum(0) if sums.dim() == 2 else sums).to(param.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake (meta) kernels and autograd, registered when the extension is loaded
+# ---------------------------------------------------------------------------------------------
+
+
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _is_channels_last_dense(x: Tensor) -> bool:
+    """Mirror of csrc/syncbn.h::is_channels_last_dense (dims of size 1 have any stride)."""
+    if x.dim() < 3:
+        return False
+    sizes, strides = x.shape, x.stride()
+    expected = 1
+    if sizes[1] != 1 and strides[1] != expected:
+        return False
+    expected = expected * sizes[1]
+    for d in range(x.dim() - 1, 1, -1):
+        if sizes[d] != 1 and strides[d] != expected:
+            return False
+        expected = expected * sizes[d]
+    return sizes[0] == 1 or strides[0] == expected
+
+
+def _empty_like_kernel_output(x: Tensor) -> Tensor:
+    """Output shaped like x in the layout the kernels produce (see csrc/syncbn.h)."""
+    if x.is_contiguous() or not _is_channels_last_dense(x):
+        return x.new_empty(x.shape)
+    strides = [0] * x.dim()
+    expected = 1
+    strides[1] = expected
+    expected = expected * x.shape[1]
+    for d in range(x.dim() - 1, 1, -1):
+        strides[d] = expected
+        expected = expected * x.shape[d]
+    strides[0] = expected
+    return x.new_empty_strided(x.shape, strides)
+
+
+def _check_input(x: Tensor, rows: int) -> None:
+    torch._check(2 <= x.dim() <= 5, lambda: f"expected a 2-D to 5-D input, got {x.dim()}-D")
+    torch._check(rows >= 1, lambda: "the number of device slices must be >= 1")
+    torch._check(
+        x.shape[0] % rows == 0,
+        lambda: f"the batch size {x.shape[0]} is not divisible by {rows} device slices",
+    )
+
+
+def _stat_rows(x: Tensor, mean: Tensor) -> int:
+    torch._check(
+        mean.dim() in (1, 2) and mean.shape[-1] == x.shape[1],
+        lambda: f"mean must have shape (C,) or (slices, C), got {tuple(mean.shape)}",
+    )
+    return 1 if mean.dim() == 1 else mean.shape[0]
+
+
+def _register() -> None:
+    lib = "syncbn_lab::"
+
+    @torch.library.register_fake(lib + "local_stats")
+    def _(x, devices):
+        _check_input(x, devices)
+        acc = _acc_dtype(x)
+        return (
+            x.new_empty((devices,), dtype=acc),
+            x.new_empty((devices, x.shape[1]), dtype=acc),
+            x.new_empty((devices, x.shape[1]), dtype=acc),
+        )
+
+    @torch.library.register_fake(lib + "merge_stats")
+    def _(count, mean, m2):
+        torch._check(mean.dim() >= 2, lambda: "mean must have shape (*B, K, C)")
+        torch._check(m2.shape == mean.shape, lambda: "m2 must have the shape of mean")
+        torch._check(count.shape == mean.shape[:-1], lambda: "count must have shape (*B, K)")
+        stat_shape = (*mean.shape[:-2], mean.shape[-1])
+        return (
+            count.new_empty(count.shape[:-1]),
+            mean.new_empty(stat_shape),
+            mean.new_empty(stat_shape),
+        )
+
+    @torch.library.register_fake(lib + "forward_elemt")
+    def _(x, mean, invstd, weight, bias, relu):
+        _check_input(x, _stat_rows(x, mean))
+        return _empty_like_kernel_output(x)
+
+    @torch.library.register_fake(lib + "backward_reduce")
+    def _(dy, x, mean, invstd, weight, bias, relu):
+        _check_input(x, _stat_rows(x, mean))
+        acc = _acc_dtype(x)
+        return mean.new_empty(mean.shape, dtype=acc), mean.new_empty(mean.shape, dtype=acc)
+
+    @torch.library.register_fake(lib + "backward_elemt")
+    def _(dy, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count, relu):
+        _check_input(x, _stat_rows(x, mean))
+        return _empty_like_kernel_output(x)
+
+    @torch.library.register_fake(lib + "batch_norm_train")
+    def _(x, weight, bias, devices, group_size, eps, relu):
+        torch._check(
+            group_size >= 1 and devices % group_size == 0,
+            lambda: f"group_size must divide devices, got {group_size} and {devices}",
+        )
+        _check_input(x, devices)
+        acc = _acc_dtype(x)
+        shape = (devices // group_size, x.shape[1])
+        return (
+            _empty_like_kernel_output(x),
+            x.new_empty(shape, dtype=acc),
+            x.new_empty(shape, dtype=acc),
+            x.new_empty(shape, dtype=acc),
+        )
+
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, devices, group_size, eps, relu = inputs
+        _, mean, var, invstd = output
+        ctx.save_for_backward(x, weight, bias, mean, invstd)
+        ctx.relu = relu
+        ctx.count = _values_per_group(x, devices // group_size)
+        ctx.mark_non_differentiable(mean, var, invstd)
+
+    def backward(ctx, dy, _dmean, _dvar, _dinvstd):
+        x, weight, bias, mean, invstd = ctx.saved_tensors
+        ops = torch.ops.syncbn_lab
+        sum_dy, sum_dy_xhat = ops.backward_reduce(dy, x, mean, invstd, weight, bias, ctx.relu)
+        dx = dweight = dbias = None
+        if ctx.needs_input_grad[0]:
+            count = mean.new_full((1,), ctx.count)
+            dx = ops.backward_elemt(
+                dy, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count, ctx.relu
+            )
+        if weight is not None and ctx.needs_input_grad[1]:
+            dweight = _rows_sum(sum_dy_xhat, weight)
+        if bias is not None and ctx.needs_input_grad[2]:
+            dbias = _rows_sum(sum_dy, bias)
+        return dx, dweight, dbias, None, None, None, None
+
+    torch.library.register_autograd(lib + "batch_norm_train", backward, setup_context=setup_context)
+
+
+if _ext.load():
+    _register()
