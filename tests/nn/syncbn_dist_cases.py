@@ -205,6 +205,30 @@ def case_collectives(rank: int, world_size: int) -> dict[str, object]:
     return out
 
 
+def case_subgroup_api(rank: int, world_size: int) -> dict[str, object]:
+    """subgroup_for: cached per group size, clear error for a non-divisor; membership check."""
+    from syncbn_lab.nn.comm import communicator_for, subgroup_for
+
+    out: dict[str, object] = {}
+    first = subgroup_for(2)
+    out["cached"] = subgroup_for(2) is first
+    out["pair_size"] = communicator_for(first).world_size
+    out["pair_ranks"] = dist.get_process_group_ranks(first)
+    try:
+        subgroup_for(3)
+        out["non_divisor"] = "no error"
+    except ValueError as e:
+        out["non_divisor"] = str(e)
+    singletons = [dist.new_group([r]) for r in range(world_size)]  # all ranks create all
+    not_mine = singletons[(rank + 1) % world_size]  # a group this rank is not in
+    try:
+        communicator_for(not_mine)
+        out["not_member"] = "no error"
+    except ValueError as e:
+        out["not_member"] = str(e)
+    return out
+
+
 def _cases(world_size: int) -> dict[str, Callable[[int], object]]:
     everyone = list(range(world_size))
     cases: dict[str, Callable[[int], object]] = {}
@@ -245,6 +269,7 @@ def _cases(world_size: int) -> dict[str, Callable[[int], object]]:
             return _match(r, sizes, _sync_layer(process_group=groups[r // 2]), pairs[r // 2])
 
         cases["subgroup_process_group"] = explicit_groups
+        cases["subgroup_api"] = lambda r: case_subgroup_api(r, world_size)
         even = [2, 4, 0, 6]  # each rank emulates 2 devices: local batches split in two
 
         def emulated_devices(group_size):

@@ -99,3 +99,11 @@ def test_one_collective_per_direction_and_none_in_eval(world_size):
         assert out["train_forward"] == forward, rank
         assert out["train_backward"] == backward, rank
         assert out["eval_forward_backward"] == [], rank
+
+
+def test_subgroup_for_caches_and_checks():
+    for rank, out in enumerate(case(4, "subgroup_api")):
+        assert out["cached"] is True
+        assert out["pair_size"] == 2 and out["pair_ranks"] == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert "does not divide the world size 4" in out["non_divisor"]
+        assert "not a member" in out["not_member"]

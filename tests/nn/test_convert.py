@@ -1,0 +1,136 @@
+"""convert_sync_batchnorm / revert_sync_batchnorm keep every piece of state."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from syncbn_lab.nn import BatchNorm, SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.Sequential(nn.Flatten(2), nn.BatchNorm1d(4, momentum=None, eps=1e-3)),
+        nn.Unflatten(2, (2, 2)),
+        nn.Unflatten(3, (1, 2)),
+        nn.BatchNorm3d(4, affine=False),
+        nn.Flatten(2),
+        BatchNorm(4, track_running_stats=False, impl="reference"),
+    )
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            if m.weight is not None:
+                with torch.no_grad():
+                    m.weight.uniform_(0.5, 1.5)
+                    m.bias.uniform_(-1, 1)
+            if m.running_mean is not None:
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+                m.num_batches_tracked.fill_(5)
+    model[1].weight.requires_grad_(False)
+    model[2][1].eval()
+    model[7].devices = 2
+    return model
+
+
+def _norms(model):
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def _state(bn):
+    return {
+        "class": type(bn),
+        "params": [(p, p is not None and p.requires_grad) for p in (bn.weight, bn.bias)],
+        "buffers": [bn.running_mean, bn.running_var, bn.num_batches_tracked],
+        "hyper": (bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats),
+        "training": bn.training,
+        "devices": getattr(bn, "devices", 1),
+    }
+
+
+def _assert_same_state(before, after, classes):
+    assert [type(b) for b in after] == classes
+    for b, a in zip(before, after, strict=True):
+        sb, sa = _state(b), _state(a)
+        for (pb, gb), (pa, ga) in zip(sb["params"], sa["params"], strict=True):
+            assert pa is pb and ga == gb  # the very same Parameter: optimizers keep working
+        for tb, ta in zip(sb["buffers"], sa["buffers"], strict=True):
+            assert ta is tb
+        assert sa["hyper"] == sb["hyper"] and sa["training"] == sb["training"]
+    assert [_state(a)["devices"] for a in after] == [1, 1, 1, 2]
+
+
+def test_convert_then_revert_keeps_everything():
+    model = _model()
+    before = _norms(model)
+    states = [_state(b) for b in before]
+    x = torch.randn(2, 3, 4, 4)
+    model.eval()
+    expected = model(x)
+    for bn, s in zip(before, states, strict=True):
+        bn.train(s["training"])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # known classes convert silently
+        synced = convert_sync_batchnorm(model, group_size=2)
+    converted = _norms(synced)
+    _assert_same_state(before, converted, [SyncBatchNorm] * 4)
+    assert all(m.group_size == 2 for m in converted)
+    assert converted[3].impl == "reference"
+    synced.eval()
+    torch.testing.assert_close(synced(x), expected)  # eval: same running statistics
+
+    for bn, s in zip(converted, states, strict=True):
+        bn.train(s["training"])
+    reverted = _norms(revert_sync_batchnorm(synced))
+    classes = [nn.BatchNorm2d, nn.BatchNorm1d, nn.BatchNorm3d, BatchNorm]
+    _assert_same_state(before, reverted, classes)
+    assert reverted[3].impl == "reference"
+
+
+def test_convert_torch_sync_batchnorm_and_revert_defaults_to_batchnorm2d():
+    torch_sync = nn.SyncBatchNorm(4, momentum=0.3)
+    torch_sync.running_mean.fill_(2.0)
+    ours = convert_sync_batchnorm(torch_sync)
+    assert type(ours) is SyncBatchNorm and ours.momentum == 0.3
+    assert ours.running_mean is torch_sync.running_mean
+    plain = revert_sync_batchnorm(ours)
+    assert type(plain) is nn.BatchNorm2d and plain.running_mean is torch_sync.running_mean
+    built_directly = revert_sync_batchnorm(SyncBatchNorm(4))
+    assert type(built_directly) is nn.BatchNorm2d
+
+
+def test_revert_also_handles_torch_sync_batchnorm():
+    model = nn.Sequential(nn.SyncBatchNorm(4, bias=False))
+    reverted = revert_sync_batchnorm(model)
+    assert type(reverted[0]) is nn.BatchNorm2d and reverted[0].bias is None
+
+
+def test_subclass_warns_with_its_name():
+    class FancyBatchNorm(nn.BatchNorm2d):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    with pytest.warns(UserWarning, match="FancyBatchNorm"):
+        converted = convert_sync_batchnorm(nn.Sequential(FancyBatchNorm(4)))
+    assert type(converted[0]) is SyncBatchNorm
+
+    class FancySync(SyncBatchNorm):
+        pass
+
+    with pytest.warns(UserWarning, match="FancySync"):
+        assert type(revert_sync_batchnorm(FancySync(4))) is nn.BatchNorm2d
+
+
+def test_process_group_is_passed_on_and_lazy_modules_are_refused():
+    group = object()  # stands for a ProcessGroup; not used without distributed
+    converted = convert_sync_batchnorm(nn.BatchNorm2d(4), process_group=group)
+    assert converted.process_group is group
+    with pytest.raises(ValueError, match="run one forward pass first"):
+        convert_sync_batchnorm(nn.LazyBatchNorm2d())
