@@ -2,11 +2,19 @@
 
 Thin on purpose: Hydra composes the config, syncbn_lab.train.run does the job.
 `python scripts/train.py --cfg job` prints the composed config.
+
+Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK set) every rank runs this script; only rank 0
+gets a Hydra run dir. Ranks > 0 run Hydra in a temporary folder with no outputs and learn
+rank 0's run dir over the process group (they write nothing into it).
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import hydra
@@ -21,13 +29,39 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
+    from syncbn_lab.parallel.ddp import PeerFailed, RankFailed
     from syncbn_lab.train import run
 
     with exit_on_user_error():
-        summary = run(cfg, HydraConfig.get().runtime.output_dir)
+        try:
+            summary = run(cfg, HydraConfig.get().runtime.output_dir)
+        except RankFailed as e:  # the failing rank's traceback once, then one line
+            if e.remote_traceback:
+                print(e.remote_traceback.rstrip(), file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(1)
+        except PeerFailed as e:  # torchrun: another rank failed and torchrun reports it
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(1)
     return summary.get("test_acc") if summary else None
 
 
+def torchrun_follower_overrides() -> list[str]:
+    """Hydra overrides for torchrun ranks > 0: a throwaway run dir, no .hydra, no log file."""
+    rank = os.environ.get("RANK")
+    if rank is None or "WORLD_SIZE" not in os.environ or int(rank) == 0:
+        return []
+    scratch = tempfile.mkdtemp(prefix=f"syncbn-lab-rank{rank}-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return [
+        f"hydra.run.dir={scratch}",
+        "hydra.output_subdir=null",
+        "hydra/job_logging=disabled",
+        "hydra/hydra_logging=disabled",
+    ]
+
+
 if __name__ == "__main__":
+    sys.argv += torchrun_follower_overrides()
     precheck(CONFIG_DIR, sys.argv[1:])
     main()

@@ -6,6 +6,8 @@ any process starts or any file is written.
 
 from __future__ import annotations
 
+import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -14,6 +16,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from syncbn_lab.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+PARALLEL_MODES = ("single", "emulated", "ddp", "dp")
+DIST_BN = ("none", "broadcast", "reduce")
+BACKENDS = ("auto", "gloo", "nccl")
 
 
 def validate(cfg: DictConfig) -> DictConfig:
@@ -54,14 +59,106 @@ def validate(cfg: DictConfig) -> DictConfig:
             "bn=torch_sync (torch.nn.SyncBatchNorm) runs only on CUDA; use bn=sync, "
             "this project's SyncBatchNorm, which also runs on CPU"
         )
+    derived = {"per_device_batch_size": t.global_batch_size // split, "device": device}
+    derived.update(_check_parallel(cfg, device))
     with open_dict(cfg):
-        cfg.derived = OmegaConf.create(
-            {
-                "per_device_batch_size": t.global_batch_size // split,
-                "device": device,
-            }
-        )
+        cfg.derived = OmegaConf.create(derived)
     return cfg
+
+
+def torchrun_env() -> dict[str, int] | None:
+    """RANK, WORLD_SIZE, LOCAL_RANK (and LOCAL_WORLD_SIZE) when torchrun started this process."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    if not all(k in os.environ for k in keys):
+        return None
+    env = {k.lower(): int(os.environ[k]) for k in keys}
+    env["local_world_size"] = int(os.environ.get("LOCAL_WORLD_SIZE", env["world_size"]))
+    return env
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _check_parallel(cfg: DictConfig, device: str) -> dict:
+    """The parallel mode's impossible combinations; returns derived values (DDP backend)."""
+    p, bn = cfg.parallel, cfg.bn.name
+    if p.name not in PARALLEL_MODES:
+        raise ConfigError(
+            f"parallel={p.name} is unknown; choose one of {', '.join(PARALLEL_MODES)}"
+        )
+    dist_bn = p.get("dist_bn", "none")
+    if dist_bn not in DIST_BN:
+        raise ConfigError(
+            f"parallel.dist_bn={dist_bn} is unknown; choose one of {', '.join(DIST_BN)}"
+        )
+    launched = torchrun_env()
+    if launched is not None and p.name != "ddp" and launched["world_size"] > 1:
+        raise ConfigError(
+            f"torchrun started WORLD_SIZE={launched['world_size']} processes but "
+            f"parallel={p.name}; use parallel=ddp under torchrun"
+        )
+    if p.name == "emulated" and bn == "torch_sync":
+        raise ConfigError(
+            "bn=torch_sync cannot emulate devices (torch.nn.SyncBatchNorm synchronises only "
+            "across DDP processes); use bn=sync with parallel=emulated"
+        )
+    if p.name == "dp":
+        return _check_dp(p, bn, device)
+    if p.name != "ddp":
+        return {}
+    _positive(p.timeout_s, "parallel.timeout_s")
+    if p.start_method not in ("forkserver", "spawn"):
+        raise ConfigError(
+            f"parallel.start_method={p.start_method} is unknown; choose forkserver or spawn"
+        )
+    if p.backend not in BACKENDS:
+        raise ConfigError(f"parallel.backend={p.backend} is unknown; choose auto, gloo or nccl")
+    backend = p.backend if p.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
+    if backend == "nccl" and device != "cuda":
+        raise ConfigError(
+            "parallel.backend=nccl needs CUDA; use parallel.backend=gloo (or auto) on CPU"
+        )
+    if launched is not None:
+        if p.devices != launched["world_size"]:
+            raise ConfigError(
+                f"torchrun started WORLD_SIZE={launched['world_size']} processes but "
+                f"parallel.devices={p.devices}; pass parallel.devices={launched['world_size']}"
+            )
+        return {"backend": backend}
+    if device == "cuda" and torch.cuda.device_count() < p.devices:
+        raise ConfigError(
+            f"parallel=ddp parallel.devices={p.devices} needs {p.devices} CUDA devices (one "
+            f"per process) but {torch.cuda.device_count()} are visible; use parallel=emulated "
+            "or trainer.device=cpu (gloo)"
+        )
+    if device == "cpu" and p.devices > available_cores():
+        warnings.warn(
+            f"parallel=ddp starts {p.devices} gloo processes on {available_cores()} CPU "
+            "core(s): they time-share the cores (same results, slower; parallel=emulated "
+            "gives the same numerics in one process)",
+            stacklevel=3,
+        )
+    return {"backend": backend}
+
+
+def _check_dp(p: DictConfig, bn: str, device: str) -> dict:
+    visible = torch.cuda.device_count() if device == "cuda" else 0
+    if visible < p.devices:
+        raise ConfigError(
+            f"parallel=dp parallel.devices={p.devices} needs {p.devices} CUDA devices but "
+            f"{visible} are visible; use parallel=emulated parallel.devices={p.devices} "
+            "(same numerics in one process)"
+        )
+    if bn in ("sync", "torch_sync"):
+        raise ConfigError(
+            f"bn={bn} does not synchronise under DataParallel (its replicas would silently "
+            "use per-replica statistics); use parallel=emulated or parallel=ddp with bn=sync"
+        )
+    return {}
 
 
 def resolve_device(name: str) -> str:

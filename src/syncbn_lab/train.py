@@ -15,14 +15,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from syncbn_lab import models
-from syncbn_lab.config import validate
+from syncbn_lab.config import torchrun_env, validate
 from syncbn_lab.engine import checkpoint
 from syncbn_lab.engine.loop import Loaders, Trainer
 from syncbn_lab.engine.optim import build_optimizer
 from syncbn_lab.errors import ConfigError
 from syncbn_lab.logging import NullLogger, RunLogger
 from syncbn_lab.nn.registry import norm_layer
-from syncbn_lab.parallel import launch
+from syncbn_lab.parallel import launch, parallelize
 from syncbn_lab.parallel.context import Runtime
 from syncbn_lab.parallel.sampling import eval_loader, seed_everything, train_loader
 
@@ -33,17 +33,19 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Train as ``cfg`` says, writing outputs into ``run_dir``; return the summary."""
     run_dir = Path(run_dir)
     validate(cfg)
-    check_run_dir(run_dir)
     if cfg.trainer.resume:
         checkpoint.resolve(cfg.trainer.resume)  # fail now, not after the processes start
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-    except OSError as e:
-        raise ConfigError(
-            f"cannot write the run dir {run_dir} ({e.strerror}); point hydra.run.dir at a "
-            "writable folder"
-        ) from e
+    launched = torchrun_env()
+    if launched is None or launched["rank"] == 0:  # torchrun: rank 0 owns the one run dir
+        check_run_dir(run_dir)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot write the run dir {run_dir} ({e.strerror}); point hydra.run.dir at a "
+                "writable folder"
+            ) from e
     return launch(cfg, worker, run_dir)
 
 
@@ -79,8 +81,12 @@ def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     seed_everything(t.seed)
 
     splits = build_datasets(cfg.data)
-    norm = norm_layer(cfg.bn, emulated_devices=rt.devices_per_process)
+    # Only the emulation puts several devices' slices through one norm layer; DataParallel's
+    # replicas each get their own slice, DDP ranks their own batch.
+    emulated = cfg.parallel.devices if cfg.parallel.name == "emulated" else 1
+    norm = norm_layer(cfg.bn, emulated_devices=emulated)
     model = models.build(cfg.model, norm, splits.num_classes, splits.in_channels).to(rt.device)
+    parallel = parallelize(model, cfg, rt)
     optimizer = build_optimizer(cfg.optim, model)
     per_device = cfg.derived.per_device_batch_size
     loaders = Loaders(
@@ -97,7 +103,9 @@ def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     logger = RunLogger(run_dir, cfg) if rt.is_main else NullLogger()
     exit_code = 1
     try:
-        trainer = Trainer(cfg, rt, model, model, optimizer, loaders, logger, run_dir)
+        trainer = Trainer(
+            cfg, rt, parallel.model, model, optimizer, loaders, logger, run_dir, parallel.bn_buffers
+        )
         if t.resume:
             trainer.load_state_dict(checkpoint.load(checkpoint.resolve(t.resume), rt.device))
         result = trainer.fit()
@@ -109,6 +117,7 @@ def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "accumulate": t.accumulate,
             "devices": cfg.parallel.devices,
             "parallel": cfg.parallel.name,
+            "dist_bn": cfg.parallel.get("dist_bn", "none"),
             "bn": cfg.bn.name,
             "dataset": cfg.data.name,
             "model": cfg.model.name,

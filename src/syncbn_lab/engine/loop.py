@@ -7,6 +7,8 @@ the wrapped model, so the same loop runs single-device, DDP and emulated N-devic
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,7 +24,10 @@ from torch.utils.data import DataLoader
 from syncbn_lab.engine import checkpoint
 from syncbn_lab.engine.evaluate import autocast, evaluate
 from syncbn_lab.engine.optim import lr_factor
+from syncbn_lab.engine.precise_bn import update_bn_stats
+from syncbn_lab.parallel.bn_buffers import BNBuffers
 from syncbn_lab.parallel.context import Runtime
+from syncbn_lab.parallel.dp import loss_and_counts
 
 
 @dataclass
@@ -41,8 +46,10 @@ class TrainState:
 
 
 class Trainer:
-    """Runs ``fit`` for one process. ``model`` may be DDP-wrapped; ``model_without_ddp``
-    is what gets evaluated and checkpointed (as in torchvision's references)."""
+    """Runs ``fit`` for one process. ``model`` may be wrapped (DDP, DataParallel, emulated
+    devices); ``model_without_ddp`` is what gets evaluated and checkpointed (as in
+    torchvision's references). ``bn_buffers`` reconciles the devices' BN running statistics
+    before each evaluation (``parallel.dist_bn``)."""
 
     def __init__(
         self,
@@ -54,13 +61,15 @@ class Trainer:
         loaders: Loaders,
         logger,
         run_dir: Path,
-        hooks=None,
+        bn_buffers: BNBuffers | None = None,
     ):
         self.cfg, self.rt = cfg, rt
         self.model, self.module = model, model_without_ddp
         self.optimizer, self.loaders, self.logger = optimizer, loaders, logger
         self.run_dir = run_dir
-        self.hooks = hooks  # parallel-mode callbacks: before_eval(trainer), precise_bn(trainer)
+        self.bn_buffers = bn_buffers if bn_buffers is not None else BNBuffers()
+        self.loss_in_model = bool(getattr(model, "computes_loss", False))
+        self.fault = _fault_for(rt.rank)
         self.trainer_cfg = cfg.trainer
         self.accumulate = cfg.trainer.accumulate
         self.steps_per_epoch = len(loaders.train) // self.accumulate
@@ -120,13 +129,12 @@ class Trainer:
             sync = contextlib.nullcontext() if last else _no_sync(self.model)
             with sync:
                 with autocast(self.rt.device, precision):
-                    logits = self.model(images)
-                    loss = F.cross_entropy(logits.float(), labels)
+                    loss, correct, count = self.forward_loss(images, labels)
                 self.scaler.scale(loss / len(micro_batches)).backward()
             with torch.no_grad():
-                totals[0] += loss.detach() * labels.numel()
-                totals[1] += (logits.argmax(1) == labels).sum()
-                totals[2] += labels.numel()
+                totals[0] += loss.detach() * count
+                totals[1] += correct
+                totals[2] += count
         if self.trainer_cfg.grad_clip:
             self.scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer_cfg.grad_clip)
@@ -134,6 +142,15 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return totals
+
+    def forward_loss(self, images: torch.Tensor, labels: torch.Tensor):
+        """(mean loss over these samples, correct, count); the loss may be computed inside
+        the model's replicas (parallel=dp with parallel.loss_in_module)."""
+        if self.loss_in_model:
+            return loss_and_counts(self.model(images, labels))
+        logits = self.model(images)
+        loss = F.cross_entropy(logits.float(), labels)
+        return loss, (logits.argmax(1) == labels).sum(), labels.numel()
 
     # -- the loop -------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -161,6 +178,8 @@ class Trainer:
                 totals = self.train_step(micro)
                 elapsed = time.perf_counter() - t0
                 state.step += 1
+                if self.fault is not None:
+                    self.fault(state.step)
                 images = self.cfg.trainer.global_batch_size
                 self.train_time += elapsed
                 self.images_seen += images
@@ -228,19 +247,61 @@ class Trainer:
             "train_time_s": self.train_time,
             "images_per_s": self.images_seen / max(self.train_time, 1e-9),
         }
-        if self.hooks is not None:
-            result.update(self.hooks.after_fit(self))
+        if cfg.precise_bn_batches:
+            result.update(self.precise_bn(test))
         return result
 
     def evaluate(self, loader: DataLoader) -> dict[str, float]:
-        if self.hooks is not None:
-            self.hooks.before_eval(self)
-        return evaluate(self.module, loader, self.rt, self.trainer_cfg.precision)
+        with self.bn_buffers.evaluation():
+            return evaluate(self.module, loader, self.rt, self.trainer_cfg.precision)
+
+    def precise_bn(self, test_ema: dict[str, float]) -> dict[str, float]:
+        """PreciseBN from trainer.precise_bn_batches training batches, then the test set
+        again (a model without BatchNorm has nothing to recompute: the same numbers)."""
+        self.loaders.train.batch_sampler.set_epoch(self.state.epoch)
+        layers = update_bn_stats(
+            self.module,
+            self.loaders.train,
+            self.trainer_cfg.precise_bn_batches,
+            self.rt,
+            autocast=lambda: autocast(self.rt.device, self.trainer_cfg.precision),
+        )
+        if not layers:
+            test = test_ema
+        else:
+            self.bn_buffers.after_precise_bn()
+            test = self.evaluate(self.loaders.test)
+            self.save("last_precise_bn.pt")
+        return {"test_acc_precise_bn": test["acc"], "test_loss_precise_bn": test["loss"]}
 
 
 def _no_sync(model: nn.Module):
     """DDP's no_sync for micro-steps before the last; nothing to do for other models."""
     return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+
+
+def _fault_for(rank: int):
+    """Test hook: SYNCBN_LAB_FAULT="raise@RANK:STEP" (or kill@, hang@) makes rank RANK raise,
+    SIGKILL itself, or hang after optimizer step STEP. Unset: None."""
+    spec = os.environ.get("SYNCBN_LAB_FAULT")
+    if not spec:
+        return None
+    action, _, where = spec.partition("@")
+    fault_rank, _, fault_step = where.partition(":")
+    if int(fault_rank) != rank:
+        return None
+
+    def fault(step: int) -> None:
+        if step != int(fault_step):
+            return
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action == "hang":
+            while True:
+                time.sleep(1)
+        raise RuntimeError(f"injected fault on rank {rank} at step {step} ({spec})")
+
+    return fault
 
 
 def _progress(total: int, epoch: int, enabled: bool):

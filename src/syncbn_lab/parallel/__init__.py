@@ -2,5 +2,6 @@
 
 from syncbn_lab.parallel.context import Runtime
 from syncbn_lab.parallel.launch import launch
+from syncbn_lab.parallel.wrap import Parallel, parallelize
 
-__all__ = ["Runtime", "launch"]
+__all__ = ["Parallel", "Runtime", "launch", "parallelize"]

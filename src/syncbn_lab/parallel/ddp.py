@@ -1,0 +1,405 @@
+"""Real DDP: N rank processes spawned from this one, or the ranks torchrun started.
+
+Spawned ranks are supervised here, so that a failure ends the whole run cleanly:
+
+- every rank sends its outcome to the parent over its own pipe: rank 0's summary, or the
+  exception it raised (one line, traceback, and whether it is a collective failing because a
+  *peer* went away, which is a consequence and never the cause);
+- when any rank fails (raises, dies by a signal, or its collectives time out after
+  ``parallel.timeout_s``), the parent waits a moment for the other reports, stops the
+  processes still running (SIGTERM, then SIGKILL), and raises :class:`RankFailed` with the
+  root cause: the first error that is not a collective failure, else the rank that died
+  without a word, else the rank whose collective gave up first;
+- a rank that loses its parent (the parent was killed) exits by itself (a lifeline pipe).
+
+Ranks rendezvous on a TCPStore the parent hosts on a free port, so concurrent runs never
+race for a port. ``forkserver`` ranks fork from a server that has imported torch once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import DictConfig, OmegaConf
+
+from syncbn_lab.config import available_cores, torchrun_env
+from syncbn_lab.parallel.context import Runtime
+
+GRACE_S = 3.0  # after a first failure: time to collect the other ranks' reports
+STOP_S = 5.0  # after SIGTERM: time before SIGKILL
+FAULT_ENV = "SYNCBN_LAB_FAULT"  # test hook, read by the training loop: "raise@RANK:STEP"
+
+# Messages of collectives that fail because another rank went away or hung.
+_PEER_FAILURE_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "gloo/transport",
+    "nccl communicator was aborted",
+    "socket closed",
+)
+
+
+class RankFailed(RuntimeError):
+    """A rank of a DDP run failed; ``str()`` is one line, ``remote_traceback`` the rank's own.
+
+    Attributes: ``rank`` (None when no rank reported), ``remote_traceback`` (text or ""),
+    ``pids`` (the rank processes, all stopped by the time this is raised).
+    """
+
+    def __init__(self, line: str, rank: int | None, remote_traceback: str, pids: list[int]):
+        super().__init__(line)
+        self.rank, self.remote_traceback, self.pids = rank, remote_traceback, pids
+
+
+class PeerFailed(RuntimeError):
+    """Under torchrun: this rank's collective failed because another rank went away."""
+
+
+@dataclass
+class _Report:
+    rank: int
+    time: float
+    kind: str  # "ok" | "error"
+    summary: dict[str, Any] | None = None
+    line: str = ""
+    traceback: str = ""
+    peer_failure: bool = False
+    exception: BaseException | None = None  # user errors travel as themselves
+
+
+# -- entry points ---------------------------------------------------------------------------
+def launch_ddp(cfg: DictConfig, worker, run_dir: Path) -> dict[str, Any]:
+    """Run ``worker`` on every rank; return rank 0's summary (raise RankFailed on failure)."""
+    launched = torchrun_env()
+    if launched is not None:
+        return _run_torchrun_rank(cfg, worker, run_dir, launched)
+    return _spawn_and_supervise(cfg, worker, run_dir)
+
+
+def _run_torchrun_rank(cfg, worker, run_dir: Path, env: dict[str, int]) -> dict[str, Any]:
+    """This process is one of torchrun's ranks: join the group (env://) and run."""
+    p = cfg.parallel
+    device = _device_for(cfg, env["local_rank"])
+    _set_threads(cfg, env["local_world_size"])
+    dist.init_process_group(
+        cfg.derived.backend,
+        init_method="env://",
+        timeout=datetime.timedelta(seconds=p.timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    try:
+        # Only rank 0 has a Hydra run dir (scripts/train.py gives the others a temporary one).
+        holder = [str(run_dir)]
+        dist.broadcast_object_list(holder, src=0)
+        rt = Runtime(
+            device=device,
+            rank=env["rank"],
+            world_size=env["world_size"],
+            local_rank=env["local_rank"],
+        )
+        try:
+            return worker(rt, cfg, Path(holder[0]))
+        except Exception as e:
+            if _is_peer_failure(e):
+                raise PeerFailed(
+                    f"rank {env['rank']} stopped: a collective failed because another rank "
+                    f"failed or hung ({_one_line(e)}); see that rank's error"
+                ) from e
+            raise
+    finally:
+        _destroy_process_group()
+
+
+def _spawn_and_supervise(cfg: DictConfig, worker, run_dir: Path) -> dict[str, Any]:
+    p = cfg.parallel
+    world_size = int(p.devices)
+    ctx = mp.get_context(p.start_method)
+    if p.start_method == "forkserver":
+        ctx.set_forkserver_preload(["syncbn_lab.parallel.ddp", "syncbn_lab.train"])
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        None,
+        True,
+        timeout=datetime.timedelta(seconds=p.timeout_s),
+        wait_for_workers=False,
+    )
+    container = OmegaConf.to_container(cfg, resolve=True)
+    lifeline_r, lifeline_w = ctx.Pipe(duplex=False)
+    procs, conns = [], {}
+    try:
+        for rank in range(world_size):
+            report_r, report_w = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_rank_main,
+                name=f"syncbn-lab-rank{rank}",
+                args=(
+                    rank,
+                    world_size,
+                    store.port,
+                    container,
+                    str(run_dir),
+                    worker,
+                    dict(os.environ),
+                    report_w,
+                    lifeline_r,
+                ),
+            )
+            proc.start()
+            report_w.close()
+            procs.append(proc)
+            conns[report_r] = rank
+        lifeline_r.close()
+        return _supervise(procs, conns)
+    finally:
+        _stop(procs)
+        lifeline_w.close()
+        for conn in conns:
+            conn.close()
+        del store
+
+
+# -- the parent -----------------------------------------------------------------------------
+def _supervise(procs: list, conns: dict[Connection, int]) -> dict[str, Any]:
+    reports: dict[int, _Report] = {}
+    exitcodes: dict[int, int] = {}
+    sentinels = {proc.sentinel: rank for rank, proc in enumerate(procs)}
+    open_conns = dict(conns)
+    failed_at: float | None = None
+    while len(exitcodes) < len(procs) or open_conns:
+        waiting = list(open_conns) + [s for s, r in sentinels.items() if r not in exitcodes]
+        timeout = None if failed_at is None else max(0.0, failed_at + GRACE_S - time.monotonic())
+        ready = wait(waiting, timeout) if waiting else []
+        if not ready:
+            break  # the grace period after a failure is over
+        # Read reports before exits, so a rank's report is there when its exit is seen.
+        for obj in sorted(ready, key=lambda o: o not in open_conns):
+            if obj in open_conns:
+                rank = open_conns[obj]
+                try:
+                    report = obj.recv()
+                except (EOFError, OSError):
+                    del open_conns[obj]
+                    continue
+                reports[rank] = report
+                if report.kind == "error" and failed_at is None:
+                    failed_at = time.monotonic()
+            else:
+                rank = sentinels[obj]
+                procs[rank].join()
+                exitcodes[rank] = procs[rank].exitcode
+                if exitcodes[rank] != 0 and failed_at is None:
+                    failed_at = time.monotonic()
+    pids = [proc.pid for proc in procs]
+    if failed_at is None and all(code == 0 for code in exitcodes.values()):
+        summary = reports.get(0)
+        return summary.summary if summary is not None and summary.summary else {}
+    _stop(procs)
+    raise _root_cause(reports, exitcodes, len(procs), pids)
+
+
+def _root_cause(
+    reports: dict[int, _Report], exitcodes: dict[int, int], world_size: int, pids: list[int]
+) -> BaseException:
+    errors = sorted(
+        (r for r in reports.values() if r.kind == "error"), key=lambda r: (r.time, r.rank)
+    )
+    primary = [r for r in errors if not r.peer_failure]
+    if primary:
+        first = primary[0]
+        if first.exception is not None:
+            return first.exception  # a user error (bad config, missing data): one line
+        return RankFailed(
+            f"rank {first.rank} failed: {first.line}", first.rank, first.traceback, pids
+        )
+    silent_deaths = sorted(
+        rank for rank, code in exitcodes.items() if code != 0 and rank not in reports
+    )
+    if silent_deaths:
+        rank = silent_deaths[0]
+        how = _describe_exit(exitcodes[rank])
+        return RankFailed(f"rank {rank} died ({how}); the other ranks were stopped", rank, "", pids)
+    hung = [r for r in range(world_size) if r not in reports and r not in exitcodes]
+    if errors:
+        first = errors[0]
+        if hung:
+            line = (
+                f"rank(s) {', '.join(map(str, hung))} stopped responding: rank {first.rank}'s "
+                f"collective gave up ({first.line})"
+            )
+            return RankFailed(line, hung[0], first.traceback, pids)
+        return RankFailed(
+            f"rank {first.rank} failed: {first.line}", first.rank, first.traceback, pids
+        )
+    codes = ", ".join(f"rank {r}: {_describe_exit(c)}" for r, c in sorted(exitcodes.items()))
+    return RankFailed(f"ranks exited without a report ({codes})", None, "", pids)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _stop(procs: list) -> None:
+    """SIGTERM every rank still running, then SIGKILL what is left after STOP_S."""
+    alive = [proc for proc in procs if proc.is_alive()]
+    for proc in alive:
+        proc.terminate()
+    deadline = time.monotonic() + STOP_S
+    for proc in alive:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in alive:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+# -- one spawned rank ------------------------------------------------------------------------
+def _rank_main(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    container: dict,
+    run_dir: str,
+    worker,
+    environ: dict[str, str],
+    report: Connection,
+    lifeline: Connection,
+) -> None:
+    """Entry point of a spawned rank: report the outcome, never print a traceback."""
+    os.environ.clear()
+    os.environ.update(environ)  # forkserver children would otherwise get the server's env
+    _watch_parent(lifeline)
+    if rank > 0:
+        warnings.filterwarnings("ignore")  # one copy of each warning (rank 0's) is enough
+    code = 0
+    try:
+        cfg = OmegaConf.create(container)
+        device = _device_for(cfg, rank)
+        _set_threads(cfg, world_size)
+        timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+        store = dist.TCPStore("127.0.0.1", store_port, None, False, timeout=timeout)
+        dist.init_process_group(
+            cfg.derived.backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+        rt = Runtime(device=device, rank=rank, world_size=world_size, local_rank=rank)
+        summary = worker(rt, cfg, Path(run_dir))
+        report.send(_Report(rank, time.time(), "ok", summary=summary if rank == 0 else None))
+    except KeyboardInterrupt:
+        code = 130  # the terminal's Ctrl-C reached every rank; the parent reports it once
+    except Exception as e:
+        code = 1
+        _send_error(report, rank, e)
+    finally:
+        _destroy_process_group()
+        report.close()
+    sys.exit(code)
+
+
+def _send_error(report: Connection, rank: int, e: Exception) -> None:
+    from syncbn_lab.cli import user_error_types
+
+    message = _Report(
+        rank,
+        time.time(),
+        "error",
+        line=_one_line(e),
+        traceback=traceback.format_exc(),
+        peer_failure=_is_peer_failure(e),
+        exception=e if isinstance(e, user_error_types()) else None,
+    )
+    try:
+        report.send(message)
+    except Exception:  # the exception itself does not pickle: send it as text
+        message.exception = None
+        report.send(message)
+
+
+def _watch_parent(lifeline: Connection) -> None:
+    """Exit when the parent goes away (its end of the lifeline closes): no orphans."""
+
+    def watch() -> None:
+        try:
+            lifeline.recv()
+        except (EOFError, OSError):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-lifeline", daemon=True).start()
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _device_for(cfg: DictConfig, local_rank: int) -> torch.device:
+    if cfg.derived.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _set_threads(cfg: DictConfig, local_world_size: int) -> None:
+    """trainer.threads, else the cores shared out among this machine's ranks."""
+    if cfg.trainer.threads:
+        torch.set_num_threads(cfg.trainer.threads)
+    elif "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+    else:
+        torch.set_num_threads(max(1, available_cores() // local_world_size))
+
+
+def _destroy_process_group() -> None:
+    """Destroy the group if there is one; give up after 10 s (a wedged backend)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+        done.set()
+
+    threading.Thread(target=destroy, daemon=True).start()
+    done.wait(10)
+
+
+def _is_peer_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a collective failing because another rank died or hung."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(m in text for m in _PEER_FAILURE_MARKERS)
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
