@@ -103,7 +103,8 @@ def extension_setup() -> dict:
     # CUDA_HOME must be final before torch.utils.cpp_extension is imported: it reads it then.
     from torch.utils import cpp_extension
 
-    cxx_flags = ["-O3", "-ffp-contract=off", f"-DPy_LIMITED_API={PY_LIMITED_API}"]
+    # -g0: no debug info (Python's own flags add -g), a faster build and a 10x smaller .so.
+    cxx_flags = ["-O3", "-g0", "-ffp-contract=off", f"-DPy_LIMITED_API={PY_LIMITED_API}"]
     sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)

@@ -40,25 +40,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train(
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("syncbn_lab::local_stats", "")
           .typed<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, int64_t)>();
-  static auto merge_stats_op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("syncbn_lab::merge_stats", "")
-          .typed<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&,
-                                                    const Tensor&)>();
   static auto forward_elemt_op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("syncbn_lab::forward_elemt", "")
           .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
                         const std::optional<Tensor>&, bool)>();
 
-  auto [count, mean, m2] = local_stats_op.call(x, devices);
-  if (group_size > 1) {
-    const int64_t groups = devices / group_size;
-    const int64_t C = mean.size(1);
-    std::tie(count, mean, m2) =
-        merge_stats_op.call(count.view({groups, group_size}), mean.view({groups, group_size, C}),
-                            m2.view({groups, group_size, C}));
-  }
+  TORCH_CHECK(x.dim() >= 1 && x.size(0) % devices == 0,
+              "syncbn_lab::batch_norm_train: the batch size ", x.dim() >= 1 ? x.size(0) : 0,
+              " is not divisible by the number of device slices ", devices);
+  // A group's statistics in one pass over its slices: equal to merging the slices'
+  // statistics (merge_stats), without rounding the slices' means to float32 first.
+  auto [count, mean, m2] = local_stats_op.call(x, devices / group_size);
   // An empty slice has count 0 and m2 0: its variance is 0, never NaN.
   auto var = m2 / count.clamp_min(1).unsqueeze(-1);
   auto invstd = (var + eps).rsqrt();

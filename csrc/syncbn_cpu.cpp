@@ -67,10 +67,10 @@ struct Welford {
   }
 };
 
-// Welford over `planes` runs of S contiguous values spaced `stride` apart.
+// Welford over `planes` runs of S contiguous values spaced `stride` apart, of x - pivot.
 template <typename T, typename A>
 SYNCBN_CLONES void welford_planes(const T* __restrict__ x, int64_t planes, int64_t stride,
-                                  int64_t S, A* __restrict__ out /* n, mean, m2 */) {
+                                  int64_t S, A pivot, A* __restrict__ out /* n, mean, m2 */) {
   A mean[kLanes] = {};
   A m2[kLanes] = {};
   A k = 0;  // values seen by every lane
@@ -82,14 +82,14 @@ SYNCBN_CLONES void welford_planes(const T* __restrict__ x, int64_t planes, int64
       k += A(1);
       const A rc = A(1) / k;
       for (int64_t l = 0; l < kLanes; ++l) {
-        const A v = static_cast<A>(row[s + l]);
+        const A v = static_cast<A>(row[s + l]) - pivot;
         const A d = v - mean[l];
         mean[l] += d * rc;
         m2[l] += d * (v - mean[l]);
       }
     }
     for (int64_t s = Sv; s < S; ++s) {
-      const A v = static_cast<A>(row[s]);
+      const A v = static_cast<A>(row[s]) - pivot;
       tail.n += A(1);
       const A d = v - tail.mean;
       tail.mean += d / tail.n;
@@ -115,15 +115,16 @@ SYNCBN_CLONES void welford_planes(const T* __restrict__ x, int64_t planes, int64
   out[2] = total.m2;
 }
 
-// Column-wise Welford over `rows` rows of W values; mean and m2 start at zero.
+// Column-wise Welford over `rows` rows of W values, of x - pivot[w]; mean, m2 start at 0.
 template <typename T, typename A>
 SYNCBN_CLONES void welford_rows(const T* __restrict__ x, int64_t rows, int64_t W,
-                                A* __restrict__ mean, A* __restrict__ m2) {
+                                const A* __restrict__ pivot, A* __restrict__ mean,
+                                A* __restrict__ m2) {
   for (int64_t r = 0; r < rows; ++r) {
     const A rc = A(1) / A(r + 1);
     const T* __restrict__ row = x + r * W;
     for (int64_t w = 0; w < W; ++w) {
-      const A v = static_cast<A>(row[w]);
+      const A v = static_cast<A>(row[w]) - pivot[w];
       const A d = v - mean[w];
       mean[w] += d * rc;
       m2[w] += d * (v - mean[w]);
@@ -171,31 +172,44 @@ std::tuple<Tensor, Tensor, Tensor> local_stats_cpu(const Tensor& x_in, int64_t d
     A* mp = mean.mutable_data_ptr<A>();
     A* m2p = m2.mutable_data_ptr<A>();
     const int64_t C = g.C, S = g.S, n = g.n;
+    // Welford runs on x - pivot, the pivot being the first value of the channel in the
+    // slice: the running means then stay near zero, where float32 resolves the spread of
+    // the values even when their mean is large (mean 1e4, std 0.1).
     if (use_planes(g, layout)) {
       at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           const int64_t d = i / C, c = i % C;
+          const scalar_t* base = xp + (d * n * C + c) * S;
+          const A pivot = static_cast<A>(base[0]);
           A out[3];
-          welford_planes<scalar_t, A>(xp + (d * n * C + c) * S, n, C * S, S, out);
-          mp[i] = out[1];
+          welford_planes<scalar_t, A>(base, n, C * S, S, pivot, out);
+          mp[i] = pivot + out[1];
           m2p[i] = out[2];
         }
       });
       return;
     }
     const RowPlan plan = row_plan(g, layout, g.slices);
-    const int64_t W = plan.W, T = plan.chunks;
+    const int64_t W = plan.W, T = plan.chunks, per_channel = W / C;
+    std::vector<A> pivots(g.slices * W);  // the channel's pivot in each of its W / C columns
+    for (int64_t d = 0; d < g.slices; ++d) {
+      const scalar_t* first_row = xp + d * plan.rows_per_slice * W;
+      for (int64_t w = 0; w < W; ++w) {
+        pivots[d * W + w] = static_cast<A>(first_row[(w / per_channel) * per_channel]);
+      }
+    }
     std::vector<A> pmean(g.slices * T * W, A(0)), pm2(g.slices * T * W, A(0));
     at::parallel_for(0, g.slices * T, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t d = task / T, t = task % T;
         const int64_t r0 = plan.first_row(t), r1 = plan.first_row(t + 1);
         welford_rows<scalar_t, A>(xp + (d * plan.rows_per_slice + r0) * W, r1 - r0, W,
-                                  pmean.data() + task * W, pm2.data() + task * W);
+                                  pivots.data() + d * W, pmean.data() + task * W,
+                                  pm2.data() + task * W);
       }
     });
-    // Merge the chunks, then (ChannelsFirst) the S virtual channels of every channel.
-    const int64_t per_channel = W / C;
+    // Merge the chunks, then (ChannelsFirst) the S virtual channels of every channel; all
+    // share the channel's pivot, so the merge stays in shifted coordinates.
     at::parallel_for(0, g.slices * C, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t d = i / C, c = i % C;
@@ -207,7 +221,7 @@ std::tuple<Tensor, Tensor, Tensor> local_stats_cpu(const Tensor& x_in, int64_t d
             total.merge(rows, pmean[(d * T + t) * W + w], pm2[(d * T + t) * W + w]);
           }
         }
-        mp[i] = total.mean;
+        mp[i] = pivots[d * W + c * per_channel] + total.mean;
         m2p[i] = total.m2;
       }
     });

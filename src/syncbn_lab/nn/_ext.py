@@ -25,6 +25,8 @@ _warned = False
 def load() -> bool:
     """Imports syncbn_lab._C once; True when its ops are registered. Never raises, never warns."""
     global _loaded, _reason
+    if _loaded is not None:
+        return _loaded
     with _lock:
         if _loaded is not None:
             return _loaded

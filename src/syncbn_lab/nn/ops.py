@@ -86,7 +86,7 @@ class FusedBatchNormOutput(NamedTuple):
 
 
 def _ops():
-    if not _ext.load():
+    if not _LOADED:  # a plain global: torch.compile traces this without a graph break
         raise RuntimeError(
             f"syncbn_lab._C is not built ({_ext.unavailable_reason()}); "
             "build it with `make build-ext` or use the reference implementation"
@@ -400,5 +400,6 @@ def _register() -> None:
     torch.library.register_autograd(lib + "batch_norm_train", backward, setup_context=setup_context)
 
 
-if _ext.load():
+_LOADED = _ext.load()
+if _LOADED:
     _register()

@@ -1,0 +1,313 @@
+"""Fused CPU kernels (torch.ops.syncbn_lab) against a float64 plain-torch BatchNorm.
+
+Tolerances: float32 and float64 within 1e-5 (absolute and relative); float16/bfloat16 outputs
+and gradients within the input dtype's rounding (bf16: 3e-2, fp16: 5e-3 absolute, relative
+alike) while their statistics, accumulated in float32 from the exact half values, stay
+within 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference_bn import reference_batch_norm, reference_with_grads
+
+from syncbn_lab.nn import _ext, ops
+
+pytestmark = pytest.mark.skipif(
+    not _ext.load(), reason=f"syncbn_lab._C not built: {_ext.unavailable_reason()}"
+)
+
+TOL = {torch.float64: 1e-5, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+# (name, shape): every loop shape of the kernels (see csrc/syncbn_cpu.cpp).
+SHAPES = {
+    "2d": (8, 5),
+    "3d": (8, 3, 7),
+    "4d_small_plane": (8, 3, 2, 3),  # S = 6: rows of C * S virtual channels
+    "4d_plane": (8, 3, 6, 6),  # S = 36: planes, 2 lanes blocks + a tail of 4
+    "5d": (4, 3, 2, 3, 8),  # S = 48
+}
+
+
+def make_inputs(shape, dtype=torch.float32, layout="contiguous", seed=0, affine=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64) * 2.0 + 0.5
+    dy = torch.randn(*shape, generator=g, dtype=torch.float64)
+    weight = 1 + 0.5 * torch.randn(shape[1], generator=g, dtype=torch.float64)
+    bias = 0.3 * torch.randn(shape[1], generator=g, dtype=torch.float64)
+    x, dy = to_layout(x.to(dtype), layout), to_layout(dy.to(dtype), layout)
+    if not affine:
+        return x, None, None, dy
+    return x, weight.float(), bias.float(), dy
+
+
+def to_layout(t, layout):
+    if layout == "contiguous":
+        return t.contiguous()
+    if layout == "channels_last":
+        if t.dim() == 4:
+            return t.contiguous(memory_format=torch.channels_last)
+        if t.dim() == 5:
+            return t.contiguous(memory_format=torch.channels_last_3d)
+        # 3-D: (N, L, C) memory seen as (N, C, L)
+        return t.transpose(1, -1).contiguous().transpose(1, -1)
+    if layout == "strided":  # neither: the kernels work on a contiguous copy
+        return torch.cat([t, t], dim=-1)[..., : t.shape[-1]]
+    raise ValueError(layout)
+
+
+def is_channels_last(t):
+    return ops._is_channels_last_dense(t) and not t.is_contiguous()
+
+
+def run_fused(x, weight, bias, dy, devices=1, group_size=1, eps=1e-5, relu=False):
+    x = x.detach().clone().requires_grad_()
+    weight = None if weight is None else weight.detach().clone().requires_grad_()
+    bias = None if bias is None else bias.detach().clone().requires_grad_()
+    out = ops.batch_norm_train(x, weight, bias, devices, group_size, eps, relu)
+    out.y.backward(dy)
+    return {
+        "y": out.y.detach(),
+        "mean": out.mean,
+        "var": out.var,
+        "invstd": out.invstd,
+        "dx": x.grad,
+        "dweight": None if weight is None else weight.grad,
+        "dbias": None if bias is None else bias.grad,
+    }
+
+
+def assert_matches(fused, ref, tol, stats_tol=1e-5):
+    for name in ("y", "dx", "dweight", "dbias"):
+        if ref[name] is None:
+            assert fused[name] is None, name
+            continue
+        torch.testing.assert_close(
+            fused[name].double(), ref[name], atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    for name in ("mean", "var"):
+        torch.testing.assert_close(fused[name].double(), ref[name], atol=stats_tol, rtol=stats_tol)
+
+
+# --- outputs and gradients -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("relu", [False, True], ids=["bn", "bn_relu"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+def test_matches_float64_reference_fp32(shape, layout, relu):
+    x, w, b, dy = make_inputs(shape, torch.float32, layout)
+    fused = run_fused(x, w, b, dy, devices=2, relu=relu)
+    ref = reference_with_grads(x, w, b, dy, groups=2, relu=relu)
+    assert_matches(fused, ref, TOL[torch.float32])
+    if layout == "channels_last" and x.dim() > 2:
+        assert is_channels_last(fused["y"]) and is_channels_last(fused["dx"])
+    else:
+        assert fused["y"].is_contiguous() and fused["dx"].is_contiguous()
+    assert fused["y"].dtype == torch.float32 and fused["mean"].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "devices,group_size", [(1, 1), (2, 1), (4, 1), (4, 2), (4, 4)], ids=lambda v: str(v)
+)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_device_slices_and_groups(devices, group_size, layout):
+    """Statistics per slice (group 1), per group of slices, or over all slices (SyncBN)."""
+    x, w, b, dy = make_inputs((8, 4, 6, 7), torch.float32, layout, seed=devices + group_size)
+    fused = run_fused(x, w, b, dy, devices=devices, group_size=group_size)
+    ref = reference_with_grads(x, w, b, dy, groups=devices // group_size)
+    assert fused["mean"].shape == (devices // group_size, 4)
+    assert_matches(fused, ref, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("shape", [(8, 3, 6, 6), (8, 3, 2, 3)], ids=["plane", "rows"])
+def test_half_types_accumulate_in_fp32(shape, layout, dtype):
+    x, w, b, dy = make_inputs(shape, dtype, layout, seed=3)
+    fused = run_fused(x, w, b, dy, devices=2, relu=True)
+    ref = reference_with_grads(x, w, b, dy, groups=2, relu=True)
+    assert fused["y"].dtype == dtype and fused["dx"].dtype == dtype
+    assert fused["mean"].dtype == torch.float32 and fused["dweight"].dtype == torch.float32
+    # Sums of dy * xhat over 144 values: their bound scales with the count.
+    fused["dweight"] = fused["dweight"] / 144
+    fused["dbias"] = fused["dbias"] / 144
+    ref["dweight"] = ref["dweight"] / 144
+    ref["dbias"] = ref["dbias"] / 144
+    assert_matches(fused, ref, TOL[dtype])
+
+
+def test_float64_and_no_affine():
+    x, _, _, dy = make_inputs((6, 3, 5, 7), torch.float64, affine=False)
+    fused = run_fused(x, None, None, dy, devices=3)
+    ref = reference_with_grads(x, None, None, dy, groups=3)
+    assert fused["mean"].dtype == torch.float64
+    assert_matches(fused, ref, 1e-10, stats_tol=1e-12)
+
+
+def test_other_strides_run_on_a_contiguous_copy():
+    x, w, b, dy = make_inputs((4, 3, 5, 6), torch.float32, "strided")
+    assert not x.is_contiguous() and not ops._is_channels_last_dense(x)
+    fused = run_fused(x, w, b, dy, devices=2, relu=True)
+    assert fused["y"].is_contiguous()
+    assert_matches(fused, reference_with_grads(x, w, b, dy, groups=2, relu=True), 1e-5)
+
+
+def test_dy_in_another_layout_than_x():
+    x, w, b, dy = make_inputs((4, 6, 5, 5), torch.float32, "channels_last")
+    fused = run_fused(x, w, b, dy.contiguous(), devices=2)
+    assert_matches(fused, reference_with_grads(x, w, b, dy, groups=2), 1e-5)
+
+
+def test_large_offset_statistics_are_stable():
+    """Welford/Chan: mean 1e4 and std 0.1 in float32 still match float64 to 1e-4 relative."""
+    g = torch.Generator().manual_seed(0)
+    x = (1e4 + 0.1 * torch.randn(16, 4, 9, 9, generator=g, dtype=torch.float64)).float()
+    for layout in ("contiguous", "channels_last"):  # planes and rows loops
+        _, mean, m2 = ops.local_stats(to_layout(x, layout), 4)
+        x64 = x.double().reshape(4, 4, 4, -1)
+        ref_mean = x64.mean(dim=(1, 3))
+        ref_m2 = ((x64 - ref_mean[:, None, :, None]) ** 2).sum(dim=(1, 3))
+        torch.testing.assert_close(mean.double(), ref_mean, rtol=1e-6, atol=0)
+        torch.testing.assert_close(m2.double(), ref_m2, rtol=1e-4, atol=0)
+        for group_size in (1, 2, 4):
+            out = ops.batch_norm_train(to_layout(x, layout), None, None, 4, group_size, 0.0, False)
+            _, ref_mean, ref_var = reference_batch_norm(x, None, None, 4 // group_size)
+            torch.testing.assert_close(out.mean.double(), ref_mean, rtol=1e-6, atol=0)
+            torch.testing.assert_close(out.var.double(), ref_var, rtol=1e-4, atol=0)
+
+
+def test_relu_mask_matches_forward_output():
+    """dx is zero exactly where the fused forward's output is zero."""
+    x, w, b, dy = make_inputs((8, 4, 6, 6), torch.float32, seed=5)
+    out = run_fused(x, w, b, dy, devices=1, relu=True)
+    sum_dy, sum_dy_xhat = ops.backward_reduce(dy, x, out["mean"], out["invstd"], w, b, relu=True)
+    masked = torch.where(out["y"] > 0, dy, torch.zeros_like(dy))
+    plain_sum, _ = ops.backward_reduce(masked, x, out["mean"], out["invstd"], w, b, relu=False)
+    torch.testing.assert_close(sum_dy, plain_sum, rtol=0, atol=0)
+    assert (out["y"] == 0).any() and (out["y"] > 0).any()
+
+
+# --- primitives ----------------------------------------------------------------------------------
+
+
+def test_merge_stats_equals_statistics_of_the_union():
+    g = torch.Generator().manual_seed(1)
+    parts = [torch.randn(k, 3, generator=g, dtype=torch.float64) * 3 + 2 for k in (5, 0, 1, 9)]
+    count = torch.tensor([float(p.shape[0]) for p in parts], dtype=torch.float64)
+    mean = torch.stack(
+        [p.mean(0) if len(p) else torch.zeros(3, dtype=torch.float64) for p in parts]
+    )
+    m2 = torch.stack([((p - p.mean(0)) ** 2).sum(0) if len(p) else torch.zeros(3) for p in parts])
+    total, merged_mean, merged_m2 = ops.merge_stats(count, mean, m2.double())
+    union = torch.cat(parts)
+    assert total.shape == () and total.item() == 15
+    torch.testing.assert_close(merged_mean, union.mean(0))
+    torch.testing.assert_close(merged_m2, ((union - union.mean(0)) ** 2).sum(0))
+    # Leading batch dims: two groups of two rows.
+    total2, mean2, _ = ops.merge_stats(count.view(2, 2), mean.view(2, 2, 3), m2.view(2, 2, 3))
+    assert total2.tolist() == [5, 10]
+    torch.testing.assert_close(mean2[1], torch.cat(parts[2:]).mean(0))
+
+
+def test_empty_input_gives_zero_statistics():
+    x = torch.empty(0, 3, 4, 4)
+    count, mean, m2 = ops.local_stats(x, 1)
+    assert count.tolist() == [0.0] and mean.abs().sum() == 0 and m2.abs().sum() == 0
+    y = ops.forward_elemt(x, mean, torch.ones_like(mean))
+    assert y.shape == x.shape
+
+
+def test_reducers_path_equals_the_composite():
+    """fused_batch_norm_train with in-process reducers (what a one-rank DDP would do)."""
+    x, w, b, dy = make_inputs((8, 3, 5, 5), torch.float64, seed=7)
+    w, b = w.double(), b.double()
+
+    def reduce_stats(count, mean, m2):
+        return ops.merge_stats(count, mean, m2)
+
+    def reduce_grads(sum_dy, sum_dy_xhat):
+        return sum_dy, sum_dy_xhat
+
+    xa = x.clone().requires_grad_()
+    wa, ba = w.clone().requires_grad_(), b.clone().requires_grad_()
+    out = ops.fused_batch_norm_train(
+        xa, wa, ba, devices=4, relu=True, reduce_stats=reduce_stats, reduce_grads=reduce_grads
+    )
+    out.y.backward(dy)
+    ref = reference_with_grads(x, w, b, dy, groups=1, relu=True)
+    assert out.count.item() == 200
+    fused = {"y": out.y.detach(), "mean": out.mean[None], "var": out.var[None], "dx": xa.grad}
+    fused |= {"dweight": wa.grad, "dbias": ba.grad}
+    assert_matches(fused, ref, 1e-10, stats_tol=1e-12)
+    with pytest.raises(ValueError, match="both"):
+        ops.fused_batch_norm_train(x, w, b, reduce_stats=reduce_stats)
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+def test_bad_arguments_raise_one_clear_line():
+    x = torch.randn(6, 3, 4)
+    with pytest.raises(RuntimeError, match="not divisible by the number of device slices 4"):
+        ops.local_stats(x, 4)
+    with pytest.raises(RuntimeError, match="2-D to 5-D"):
+        ops.local_stats(torch.randn(6), 1)
+    with pytest.raises(RuntimeError, match="mean must have shape"):
+        ops.forward_elemt(x, torch.zeros(4), torch.ones(4))
+    with pytest.raises(RuntimeError, match="group_size must divide devices"):
+        ops.batch_norm_train(x, None, None, 3, 2, 1e-5, False)
+    with pytest.raises(RuntimeError, match="float32, float64, float16 or bfloat16"):
+        ops.local_stats(torch.ones(4, 3, dtype=torch.int64), 1)
+
+
+# --- torch.library contracts ---------------------------------------------------------------------
+
+
+def _opcheck_cases():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 5, 5, generator=g, dtype=torch.float64)
+    x_cl = x.contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(4, 3, 5, 5, generator=g, dtype=torch.float64)
+    w = torch.rand(3, generator=g, dtype=torch.float64) + 0.5
+    b = torch.randn(3, generator=g, dtype=torch.float64)
+    count, mean, m2 = torch.ops.syncbn_lab.local_stats(x, 2)
+    invstd = torch.rsqrt(m2 / count[:, None] + 1e-5)
+    sums = torch.ops.syncbn_lab.backward_reduce(dy, x, mean, invstd, w, b, True)
+    lib = torch.ops.syncbn_lab
+    return [
+        (lib.local_stats.default, (x, 2)),
+        (lib.local_stats.default, (x_cl.float(), 1)),
+        (lib.merge_stats.default, (count, mean, m2)),
+        (lib.forward_elemt.default, (x, mean, invstd, w, b, True)),
+        (lib.forward_elemt.default, (x_cl, mean[0], invstd[0], None, None, False)),
+        (lib.backward_reduce.default, (dy, x, mean, invstd, w, b, True)),
+        (lib.backward_elemt.default, (dy, x, mean, invstd, w, b, *sums, count, True)),
+        # The composite is differentiable: opcheck also checks its autograd registration.
+        (lib.batch_norm_train.default, (grad(x), grad(w), grad(b), 2, 1, 1e-5, True)),
+        (lib.batch_norm_train.default, (grad(x_cl.float()), None, None, 4, 2, 1e-3, False)),
+    ]
+
+
+def grad(t):
+    return t.detach().clone().requires_grad_()
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_opcheck(case):
+    op, args = _opcheck_cases()[case]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("devices,group_size,relu", [(2, 1, True), (2, 2, False), (1, 1, True)])
+def test_gradcheck_float64(devices, group_size, relu):
+    g = torch.Generator().manual_seed(devices)
+    x = torch.randn(4, 3, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(3, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+    b = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def f(x, w, b):
+        return ops.batch_norm_train(x, w, b, devices, group_size, 1e-5, relu).y
+
+    assert torch.autograd.gradcheck(f, (x, w, b))
