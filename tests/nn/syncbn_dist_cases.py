@@ -298,3 +298,17 @@ def run_all(rank: int, world_size: int) -> dict[str, object]:
         except Exception:
             results[name] = {"exception": traceback.format_exc()}
     return results
+
+
+def echo_rank(rank: int, world_size: int) -> tuple[int, int, int]:
+    """For the harness test: who am I, and does a collective work."""
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return rank, world_size, int(t.item())
+
+
+def fail_on_rank_1(rank: int, world_size: int) -> None:
+    """For the harness test: rank 1 raises while the others wait in a collective."""
+    if rank == 1:
+        raise RuntimeError("deliberate failure on rank 1")
+    dist.all_reduce(torch.ones(1))

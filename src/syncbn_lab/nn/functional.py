@@ -259,8 +259,13 @@ class _BatchNormFunction(torch.autograd.Function):
 
         invstd = torch.rsqrt(var + eps)  # 1/sqrt(var + eps), float64 (D, C)
         offset = mean - pivot.double()  # mu - K, small: t - (mu - K) = x - mu, no cancellation
-        t.sub_(shape.per_slice(offset, compute)).mul_(shape.per_slice(invstd, compute))  # xhat
-        _affine(scratch, t, weight, bias, shape)  # y = gamma * xhat + beta
+        # xhat = (x - mu) * invstd = t * invstd - (mu - K) * invstd, in place over t
+        _scale_shift(
+            t, t, shape.per_slice(invstd, compute), shape.per_slice(-offset * invstd, compute)
+        )
+        gamma = shape.per_slice(weight[None]) if weight is not None else None
+        beta = shape.per_slice(bias[None]) if bias is not None else None
+        _scale_shift(scratch, t, gamma, beta)  # y = gamma * xhat + beta
         if scratch.data_ptr() != y.data_ptr():
             y.copy_(scratch.view_as(y))  # rounded once to fp16/bf16
 
@@ -302,11 +307,11 @@ class _BatchNormFunction(torch.autograd.Function):
             sum_dy, sum_dy_xhat = _per_slice(payload, ctx.group_size).chunk(2, dim=1)
             m = max(ctx.count, 1)
             # dx = gamma*invstd/m * (m*dy - sum(dy) - xhat*sum(dy*xhat)), evaluated as
-            # dx = scale * ((dy - xhat * sum(dy*xhat)/m) - sum(dy)/m), scale = gamma*invstd
-            torch.addcmul(dy, xhat_s, shape.per_slice(-sum_dy_xhat / m), out=dx)
-            dx.sub_(shape.per_slice(sum_dy / m)).mul_(shape.per_slice(scale))
+            # dx = scale*dy - scale*sum(dy)/m - xhat * scale*sum(dy*xhat)/m, scale = gamma*invstd
+            _scale_shift(dx, dy, shape.per_slice(scale), shape.per_slice(-scale * sum_dy / m))
+            dx.addcmul_(xhat_s, shape.per_slice(-scale * sum_dy_xhat / m))
         else:
-            torch.mul(dy, shape.per_slice(scale), out=dx)  # eval: the statistics are constants
+            _scale_shift(dx, dy, shape.per_slice(scale), None)  # eval: statistics are constants
         if grad_x.dtype != ctx.input_dtype:
             grad_x = grad_x.to(ctx.input_dtype)
         return grad_x, grad_weight, grad_bias, *_NO_GRADS
@@ -363,7 +368,7 @@ def _group_sum(per_slice: Tensor, group_size: int) -> Tensor:
 
 def _per_slice(per_group: Tensor, group_size: int) -> Tensor:
     """(G, C) per-group statistics -> (G * group_size, C): each slice gets its group's."""
-    return per_group.repeat_interleave(group_size, dim=0)
+    return per_group if group_size == 1 else per_group.repeat_interleave(group_size, dim=0)
 
 
 def _moments_from_payload(payload: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -401,12 +406,19 @@ def _update_running_stats(
     running_var.lerp_(unbiased_var.to(running_var.dtype), factor)
 
 
-def _affine(y: Tensor, xhat: Tensor, weight: Tensor | None, bias: Tensor | None, shape) -> None:
-    """y = gamma * xhat + beta into ``y``, in two vectorised passes (addcmul with two
-    per-channel operands is several times slower on CPU)."""
-    if weight is not None:
-        torch.mul(xhat, shape.per_slice(weight[None]), out=y)
-    else:
-        y.copy_(xhat)
-    if bias is not None:
-        y.add_(shape.per_slice(bias[None]))
+def _scale_shift(out: Tensor, t: Tensor, scale: Tensor | None, shift: Tensor | None) -> None:
+    """out = t * scale + shift with per-channel scale and shift (``None``: 1 and 0).
+
+    One addcmul pass when channels are the innermost dimension (channels_last, 2-D input);
+    otherwise a multiply and an add, because on CPU an elementwise op vectorises over at most
+    one operand that is constant along the innermost dimension, and addcmul would have two.
+    """
+    if scale is not None and shift is not None and t.stride(2) == 1:
+        torch.addcmul(shift, t, scale, out=out)
+        return
+    if scale is not None:
+        torch.mul(t, scale, out=out)
+    elif out.data_ptr() != t.data_ptr():
+        out.copy_(t)
+    if shift is not None:
+        out.add_(shift)

@@ -1,0 +1,176 @@
+"""Forward+backward time of one BatchNorm layer on CPU, and bytes each SyncBN design sends.
+
+Not a test: it prints ratios measured side by side in one run (the implementations are
+interleaved and the best of several repeats is kept, so background load hits all alike).
+
+    python scripts/bench_syncbn.py [--quick] [--json FILE] [--no-dist]
+
+Rows: torch.nn.BatchNorm2d (world size 1), this repository's reference SyncBatchNorm in one
+process (world size 1) and on 2 gloo ranks (each rank holding the full shape, so the extra
+time is the cost of synchronising). The byte table is the payload per layer per training step
+that each rank hands to its collectives: ours is one all_reduce of 2C+1 float64 values
+forward and one of 2C float32 values backward, whatever the world size W; torch's
+SyncBatchNorm (torch/nn/modules/_functions.py) all_gathers W*(2C+1) float32 values
+(mean, invstd, count of every rank) forward and all_reduces 2C float32 values backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from syncbn_lab.nn import SyncBatchNorm
+from syncbn_lab.testing import run_distributed
+
+SHAPES = [(64, 64, 32, 32), (32, 256, 8, 8)]
+LAYOUTS = {"NCHW": torch.contiguous_format, "channels_last": torch.channels_last}
+WORLD_SIZES = [2, 4, 8, 16, 32, 64]
+TORCH = "torch.nn.BatchNorm2d"
+REFERENCE = "reference"
+
+
+def _layer(impl: str, channels: int) -> torch.nn.Module:
+    if impl == TORCH:
+        return torch.nn.BatchNorm2d(channels)
+    return SyncBatchNorm(channels, impl="reference")
+
+
+def _inputs(shape, layout):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g).contiguous(memory_format=LAYOUTS[layout])
+    grad = torch.randn(*shape, generator=g).contiguous(memory_format=LAYOUTS[layout])
+    return x.requires_grad_(), grad
+
+
+def _time_ms(layer, x, grad, iters: int) -> float:
+    """Mean milliseconds of forward + backward over ``iters`` steps."""
+    start = time.perf_counter()
+    for _ in range(iters):
+        x.grad = None
+        layer(x).backward(grad)
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+def _record(impl, shape, layout, world_size, ms):
+    return {
+        "impl": impl,
+        "shape": list(shape),
+        "dtype": "float32",
+        "layout": layout,
+        "world_size": world_size,
+        "fwd_bwd_ms": round(ms, 3),
+    }
+
+
+def local_records(iters: int, repeats: int) -> list[dict]:
+    """torch.nn.BatchNorm2d and the reference in one process, interleaved, best of repeats."""
+    records = []
+    for shape in SHAPES:
+        for layout in LAYOUTS:
+            x, grad = _inputs(shape, layout)
+            layers = {impl: _layer(impl, shape[1]) for impl in (TORCH, REFERENCE)}
+            best = dict.fromkeys(layers, float("inf"))
+            for layer in layers.values():
+                _time_ms(layer, x, grad, 2)  # warm-up
+            for _ in range(repeats):
+                for impl, layer in layers.items():
+                    best[impl] = min(best[impl], _time_ms(layer, x, grad, iters))
+            records += [_record(impl, shape, layout, 1, ms) for impl, ms in best.items()]
+    return records
+
+
+def _distributed_worker(rank: int, world_size: int, iters: int, repeats: int) -> list[dict]:
+    import torch.distributed as dist
+
+    records = []
+    for shape in SHAPES:
+        for layout in LAYOUTS:
+            x, grad = _inputs(shape, layout)
+            layer = _layer(REFERENCE, shape[1])
+            _time_ms(layer, x, grad, 2)
+            best = float("inf")
+            for _ in range(repeats):
+                dist.barrier()
+                best = min(best, _time_ms(layer, x, grad, iters))
+            records.append(_record(REFERENCE, shape, layout, world_size, best))
+    return records
+
+
+def distributed_records(iters: int, repeats: int, world_size: int = 2) -> list[dict]:
+    """The reference on ``world_size`` gloo ranks; the slowest rank's time per row."""
+    per_rank = run_distributed(
+        _distributed_worker, world_size, iters, repeats, timeout_s=1800, pg_timeout_s=300
+    )
+    rows = per_rank[0]
+    for other in per_rank[1:]:
+        for row, theirs in zip(rows, other, strict=True):
+            row["fwd_bwd_ms"] = max(row["fwd_bwd_ms"], theirs["fwd_bwd_ms"])
+    return rows
+
+
+def bytes_per_step(channels: int, world_size: int) -> dict[str, int]:
+    """Payload bytes per layer per training step handed to the collectives, per rank."""
+    ours = (2 * channels + 1) * 8 + 2 * channels * 4
+    torch_sync = world_size * (2 * channels + 1) * 4 + 2 * channels * 4
+    return {"ours": ours, "torch": torch_sync}
+
+
+def print_time_table(records: list[dict]) -> None:
+    base = {
+        (tuple(r["shape"]), r["layout"]): r["fwd_bwd_ms"] for r in records if r["impl"] == TORCH
+    }
+    print(f"{'impl':22} {'shape':18} {'layout':14} {'W':>2} {'fwd+bwd ms':>11} {'vs torch':>9}")
+    for r in records:
+        ratio = r["fwd_bwd_ms"] / base[(tuple(r["shape"]), r["layout"])]
+        shape = "x".join(map(str, r["shape"]))
+        print(
+            f"{r['impl']:22} {shape:18} {r['layout']:14} {r['world_size']:>2} "
+            f"{r['fwd_bwd_ms']:>11.2f} {ratio:>8.2f}x"
+        )
+
+
+def print_bytes_table(channels_list=(64, 256)) -> None:
+    print("\nbytes per layer per training step handed to collectives (per rank)")
+    header = " ".join(f"{'W=' + str(w):>9}" for w in WORLD_SIZES)
+    print(f"{'design':32} {header}")
+    for channels in channels_list:
+        for key, name in (
+            ("ours", "ours: all_reduce fp64 + fp32"),
+            ("torch", "torch: all_gather + all_reduce"),
+        ):
+            cells = " ".join(f"{bytes_per_step(channels, w)[key]:>9}" for w in WORLD_SIZES)
+            print(f"{name + f' C={channels}':32} {cells}")
+    print(
+        "ours = (2C+1)*8 + 2C*4 for every W; torch = W*(2C+1)*4 + 2C*4. On the wire a ring "
+        "all_reduce sends ~2*(W-1)/W of its payload per rank, a ring all_gather (W-1)/W."
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (noisier)")
+    parser.add_argument("--json", type=Path, help="write the timing records to this file")
+    parser.add_argument("--no-dist", action="store_true", help="skip the 2-rank gloo rows")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    iters, repeats = (3, 3) if args.quick else (10, 5)
+
+    records = local_records(iters, repeats)
+    if not args.no_dist:
+        records += distributed_records(iters, repeats)
+    print_time_table(records)
+    print_bytes_table()
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=2) + "\n")
+        print(f"\nwrote {len(records)} records to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
