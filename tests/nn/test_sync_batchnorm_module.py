@@ -151,3 +151,21 @@ def test_bias_false_like_torch():
     x = torch.randn(4, C, 2, 2)
     ours.load_state_dict(theirs.state_dict())
     assert error_ratio(ours(x), theirs(x)) <= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_module_end_to_end(dtype):
+    """A model cast to fp16/bf16 (parameters and buffers too) trains and stays close to fp32."""
+    full = SyncBatchNorm(C)
+    half = SyncBatchNorm(C).to(dtype)
+    half.devices = full.devices = 2
+    x = torch.randn(8, C, 4, 4) * 3 + 5
+    grad = torch.randn_like(x)
+    y_full, dx_full = _step(full, x, grad)
+    y_half, dx_half = _step(half, x.to(dtype), grad.to(dtype))
+    assert (
+        y_half.dtype == dx_half.dtype == half.weight.grad.dtype == half.running_var.dtype == dtype
+    )
+    assert error_ratio(y_half, y_full, 3e-2, 3e-2) <= 1
+    assert error_ratio(dx_half, dx_full, 3e-2, 3e-2) <= 1
+    assert error_ratio(half.running_var, full.running_var, 1e-2, 1e-2) <= 1
