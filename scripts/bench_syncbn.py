@@ -6,10 +6,13 @@ interleaved and the best of several repeats is kept, so background load hits all
     python scripts/bench_syncbn.py [--quick] [--json FILE] [--no-dist]
 
 Rows: torch.nn.BatchNorm2d (world size 1), this repository's reference SyncBatchNorm in one
-process (world size 1) and on 2 gloo ranks (each rank holding the full shape, so the extra
-time is the cost of synchronising). The byte table is the payload per layer per training step
-that each rank hands to its collectives: ours is one all_reduce of 2C+1 float64 values
-forward and one of 2C float32 values backward, whatever the world size W; torch's
+process (world size 1) and on 2 gloo ranks, each rank holding the full shape; at 2 ranks the
+per-device reference BatchNorm (same math, no collective) runs interleaved in the same job, so
+the difference between the two is the cost of synchronising, and their difference from the
+world-size-1 row is the two processes competing for the CPU. The byte table is the payload
+per layer per training step that each rank hands to its collectives: ours is one all_reduce
+of 2C+1 float64 values forward and one of 2C float32 values backward, whatever the world size
+W; torch's
 SyncBatchNorm (torch/nn/modules/_functions.py) all_gathers W*(2C+1) float32 values
 (mean, invstd, count of every rank) forward and all_reduces 2C float32 values backward.
 """
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from syncbn_lab.nn import SyncBatchNorm
+from syncbn_lab.nn import BatchNorm, SyncBatchNorm
 from syncbn_lab.testing import run_distributed
 
 SHAPES = [(64, 64, 32, 32), (32, 256, 8, 8)]
@@ -32,11 +35,14 @@ LAYOUTS = {"NCHW": torch.contiguous_format, "channels_last": torch.channels_last
 WORLD_SIZES = [2, 4, 8, 16, 32, 64]
 TORCH = "torch.nn.BatchNorm2d"
 REFERENCE = "reference"
+PER_DEVICE = "reference_per_device"  # same math without synchronisation: isolates its cost
 
 
 def _layer(impl: str, channels: int) -> torch.nn.Module:
     if impl == TORCH:
         return torch.nn.BatchNorm2d(channels)
+    if impl == PER_DEVICE:
+        return BatchNorm(channels, impl="reference")
     return SyncBatchNorm(channels, impl="reference")
 
 
@@ -91,13 +97,15 @@ def _distributed_worker(rank: int, world_size: int, iters: int, repeats: int) ->
     for shape in SHAPES:
         for layout in LAYOUTS:
             x, grad = _inputs(shape, layout)
-            layer = _layer(REFERENCE, shape[1])
-            _time_ms(layer, x, grad, 2)
-            best = float("inf")
+            layers = {impl: _layer(impl, shape[1]) for impl in (PER_DEVICE, REFERENCE)}
+            best = dict.fromkeys(layers, float("inf"))
+            for layer in layers.values():
+                _time_ms(layer, x, grad, 2)
             for _ in range(repeats):
-                dist.barrier()
-                best = min(best, _time_ms(layer, x, grad, iters))
-            records.append(_record(REFERENCE, shape, layout, world_size, best))
+                for impl, layer in layers.items():
+                    dist.barrier()
+                    best[impl] = min(best[impl], _time_ms(layer, x, grad, iters))
+            records += [_record(impl, shape, layout, world_size, ms) for impl, ms in best.items()]
     return records
 
 
