@@ -53,10 +53,45 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train(
   // statistics (merge_stats), without rounding the slices' means to float32 first.
   auto [count, mean, m2] = local_stats_op.call(x, devices / group_size);
   // An empty slice has count 0 and m2 0: its variance is 0, never NaN.
-  auto var = m2 / count.clamp_min(1).unsqueeze(-1);
-  auto invstd = (var + eps).rsqrt();
+  auto var = m2.div(count.clamp_min(1).unsqueeze(-1));
+  auto invstd = var.add(eps).rsqrt_();
   auto y = forward_elemt_op.call(x, mean, invstd, weight, bias, relu);
   return {y, mean, var, invstd};
+}
+
+// The backward of batch_norm_train in one op, so that the Python backward registered with
+// torch.library.register_autograd makes a single call: dx (empty when not `input_grad`),
+// d(weight) and d(bias) summed over the statistic rows, in the statistics' dtype.
+std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward(
+    const Tensor& dy, const Tensor& x, const std::optional<Tensor>& weight,
+    const std::optional<Tensor>& bias, const Tensor& mean, const Tensor& invstd, bool relu,
+    bool input_grad) {
+  static auto backward_reduce_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("syncbn_lab::backward_reduce", "")
+          .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                            const Tensor&, const std::optional<Tensor>&,
+                                            const std::optional<Tensor>&, bool)>();
+  static auto backward_elemt_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("syncbn_lab::backward_elemt", "")
+          .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                        const std::optional<Tensor>&, const std::optional<Tensor>&,
+                        const Tensor&, const Tensor&, const Tensor&, bool)>();
+  TORCH_CHECK(mean.dim() == 2, "syncbn_lab::batch_norm_train_backward: mean must be (G, C)");
+  auto [sum_dy, sum_dy_xhat] = backward_reduce_op.call(dy, x, mean, invstd, weight, bias, relu);
+  Tensor dx;
+  if (input_grad) {
+    const int64_t rows = mean.size(0);
+    const int64_t count = x.numel() / std::max<int64_t>(1, x.size(1) * rows);
+    dx = backward_elemt_op.call(dy, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat,
+                                at::scalar_tensor(static_cast<double>(count), mean.options()),
+                                relu);
+  } else {
+    dx = at::empty({0}, x.options());
+  }
+  if (mean.size(0) == 1) return {dx, sum_dy_xhat.view({-1}), sum_dy.view({-1})};
+  return {dx, sum_dy_xhat.sum(0), sum_dy.sum(0)};
 }
 
 }  // namespace
@@ -78,10 +113,15 @@ TORCH_LIBRARY(syncbn_lab, m) {
   m.def(
       "batch_norm_train(Tensor x, Tensor? weight, Tensor? bias, int devices, int group_size, "
       "float eps, bool relu) -> (Tensor y, Tensor mean, Tensor var, Tensor invstd)");
+  m.def(
+      "batch_norm_train_backward(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, "
+      "Tensor mean, Tensor invstd, bool relu, bool input_grad) "
+      "-> (Tensor dx, Tensor dweight, Tensor dbias)");
 }
 
 TORCH_LIBRARY_IMPL(syncbn_lab, CompositeExplicitAutograd, m) {
   m.impl("batch_norm_train", &batch_norm_train);
+  m.impl("batch_norm_train_backward", &batch_norm_train_backward);
 }
 
 }  // namespace syncbn_lab

@@ -1,12 +1,14 @@
 // CPU kernels of the syncbn_lab ops (schemas in syncbn.cpp).
 //
 // Two loop shapes cover every layout (see syncbn.h):
-//   planes: ChannelsFirst with S >= kPlaneMin. One task per (slice, channel) walks n
-//           contiguous planes of S values with kLanes independent accumulators.
+//   planes: ChannelsFirst with S >= kPlaneMin. One task per (slice, channel) sees its n
+//           planes as n rows of S columns (row stride C * S), in blocks of kColumnBlock
+//           columns, and merges the columns at the end.
 //   rows:   ChannelsLast (rows of W = C values) and ChannelsFirst with small S (a sample is a
 //           row of W = C*S "virtual channels", merged per channel at the end). Tasks take
-//           chunks of rows; every column has its own accumulator, so the inner loop over W
-//           is a plain vectorisable loop.
+//           chunks of rows.
+// Either way every column has its own accumulator, so the inner loop over a row is a plain
+// vectorisable loop and Welford's division happens once per row, not per value.
 // The hot loops are leaf functions compiled for x86-64-v4, -v3 and baseline with GCC's
 // target_clones (the loader picks one at run time), so a build is fast and portable.
 // setup.py compiles this file with -ffp-contract=off: the ReLU mask recomputed in the
@@ -34,7 +36,7 @@ namespace {
 
 using at::Tensor;
 
-constexpr int64_t kLanes = 16;     // independent accumulators per plane task
+constexpr int64_t kColumnBlock = 2048;  // columns per pass of a plane task (L1-sized)
 constexpr int64_t kPlaneMin = 32;  // S from which ChannelsFirst uses the plane loops
 constexpr int64_t kMinChunkRows = 16;
 constexpr int64_t kElemGrain = 1 << 15;  // elements per parallel task in elementwise loops
@@ -67,62 +69,15 @@ struct Welford {
   }
 };
 
-// Welford over `planes` runs of S contiguous values spaced `stride` apart, of x - pivot.
+// Column-wise Welford over `rows` rows of W values spaced `ld` apart, of x - pivot[w];
+// mean and m2 start at zero.
 template <typename T, typename A>
-SYNCBN_CLONES void welford_planes(const T* __restrict__ x, int64_t planes, int64_t stride,
-                                  int64_t S, A pivot, A* __restrict__ out /* n, mean, m2 */) {
-  A mean[kLanes] = {};
-  A m2[kLanes] = {};
-  A k = 0;  // values seen by every lane
-  Welford<A> tail;
-  const int64_t Sv = S - S % kLanes;
-  for (int64_t p = 0; p < planes; ++p) {
-    const T* __restrict__ row = x + p * stride;
-    for (int64_t s = 0; s < Sv; s += kLanes) {
-      k += A(1);
-      const A rc = A(1) / k;
-      for (int64_t l = 0; l < kLanes; ++l) {
-        const A v = static_cast<A>(row[s + l]) - pivot;
-        const A d = v - mean[l];
-        mean[l] += d * rc;
-        m2[l] += d * (v - mean[l]);
-      }
-    }
-    for (int64_t s = Sv; s < S; ++s) {
-      const A v = static_cast<A>(row[s]) - pivot;
-      tail.n += A(1);
-      const A d = v - tail.mean;
-      tail.mean += d / tail.n;
-      tail.m2 += d * (v - tail.mean);
-    }
-  }
-  // Lanes hold equal counts: a pairwise tree where n_a n_b / n = k / 2.
-  for (int64_t width = kLanes / 2; width >= 1; width /= 2) {
-    for (int64_t l = 0; l < width; ++l) {
-      const A delta = mean[l + width] - mean[l];
-      m2[l] += m2[l + width] + delta * delta * k * A(0.5);
-      mean[l] = A(0.5) * (mean[l] + mean[l + width]);
-    }
-    k *= A(2);
-  }
-  Welford<A> total;
-  total.n = Sv > 0 ? k : A(0);
-  total.mean = Sv > 0 ? mean[0] : A(0);
-  total.m2 = Sv > 0 ? m2[0] : A(0);
-  total.merge(tail.n, tail.mean, tail.m2);
-  out[0] = total.n;
-  out[1] = total.mean;
-  out[2] = total.m2;
-}
-
-// Column-wise Welford over `rows` rows of W values, of x - pivot[w]; mean, m2 start at 0.
-template <typename T, typename A>
-SYNCBN_CLONES void welford_rows(const T* __restrict__ x, int64_t rows, int64_t W,
+SYNCBN_CLONES void welford_rows(const T* __restrict__ x, int64_t rows, int64_t W, int64_t ld,
                                 const A* __restrict__ pivot, A* __restrict__ mean,
                                 A* __restrict__ m2) {
   for (int64_t r = 0; r < rows; ++r) {
     const A rc = A(1) / A(r + 1);
-    const T* __restrict__ row = x + r * W;
+    const T* __restrict__ row = x + r * ld;
     for (int64_t w = 0; w < W; ++w) {
       const A v = static_cast<A>(row[w]) - pivot[w];
       const A d = v - mean[w];
@@ -177,14 +132,24 @@ std::tuple<Tensor, Tensor, Tensor> local_stats_cpu(const Tensor& x_in, int64_t d
     // the values even when their mean is large (mean 1e4, std 0.1).
     if (use_planes(g, layout)) {
       at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
+        const int64_t block = std::min(S, kColumnBlock);
+        std::vector<A> pivots(block), cmean(block), cm2(block);
         for (int64_t i = begin; i < end; ++i) {
           const int64_t d = i / C, c = i % C;
           const scalar_t* base = xp + (d * n * C + c) * S;
           const A pivot = static_cast<A>(base[0]);
-          A out[3];
-          welford_planes<scalar_t, A>(base, n, C * S, S, pivot, out);
-          mp[i] = pivot + out[1];
-          m2p[i] = out[2];
+          std::fill(pivots.begin(), pivots.end(), pivot);
+          Welford<A> total;
+          for (int64_t s0 = 0; s0 < S; s0 += block) {
+            const int64_t W = std::min(block, S - s0);
+            std::fill_n(cmean.begin(), W, A(0));
+            std::fill_n(cm2.begin(), W, A(0));
+            welford_rows<scalar_t, A>(base + s0, n, W, C * S, pivots.data(), cmean.data(),
+                                      cm2.data());
+            for (int64_t w = 0; w < W; ++w) total.merge(A(n), cmean[w], cm2[w]);
+          }
+          mp[i] = pivot + total.mean;
+          m2p[i] = total.m2;
         }
       });
       return;
@@ -203,7 +168,7 @@ std::tuple<Tensor, Tensor, Tensor> local_stats_cpu(const Tensor& x_in, int64_t d
       for (int64_t task = begin; task < end; ++task) {
         const int64_t d = task / T, t = task % T;
         const int64_t r0 = plan.first_row(t), r1 = plan.first_row(t + 1);
-        welford_rows<scalar_t, A>(xp + (d * plan.rows_per_slice + r0) * W, r1 - r0, W,
+        welford_rows<scalar_t, A>(xp + (d * plan.rows_per_slice + r0) * W, r1 - r0, W, W,
                                   pivots.data() + d * W, pmean.data() + task * W,
                                   pm2.data() + task * W);
       }
@@ -444,51 +409,13 @@ Tensor forward_elemt_cpu(const Tensor& x_in, const Tensor& mean, const Tensor& i
 // ---------------------------------------------------------------------------------------
 
 template <typename T, typename A, bool RELU>
-SYNCBN_CLONES void grad_sums_planes(const T* __restrict__ dy, const T* __restrict__ x,
-                                    int64_t planes, int64_t stride, int64_t S, A mean, A scale,
-                                    A shift, A* __restrict__ out /* sum_dy, sum_dy_xmu */) {
-  A sdy[kLanes] = {};
-  A sdyx[kLanes] = {};
-  A tdy = 0, tdyx = 0;
-  const int64_t Sv = S - S % kLanes;
-  for (int64_t p = 0; p < planes; ++p) {
-    const T* __restrict__ xr = x + p * stride;
-    const T* __restrict__ gr = dy + p * stride;
-    for (int64_t s = 0; s < Sv; s += kLanes) {
-      for (int64_t l = 0; l < kLanes; ++l) {
-        const A xm = static_cast<A>(xr[s + l]) - mean;
-        A g = static_cast<A>(gr[s + l]);
-        if (RELU) g = xm * scale + shift > A(0) ? g : A(0);
-        sdy[l] += g;
-        sdyx[l] += g * xm;
-      }
-    }
-    for (int64_t s = Sv; s < S; ++s) {
-      const A xm = static_cast<A>(xr[s]) - mean;
-      A g = static_cast<A>(gr[s]);
-      if (RELU) g = xm * scale + shift > A(0) ? g : A(0);
-      tdy += g;
-      tdyx += g * xm;
-    }
-  }
-  for (int64_t width = kLanes / 2; width >= 1; width /= 2) {
-    for (int64_t l = 0; l < width; ++l) {
-      sdy[l] += sdy[l + width];
-      sdyx[l] += sdyx[l + width];
-    }
-  }
-  out[0] = sdy[0] + tdy;
-  out[1] = sdyx[0] + tdyx;
-}
-
-template <typename T, typename A, bool RELU>
 SYNCBN_CLONES void grad_sums_rows(const T* __restrict__ dy, const T* __restrict__ x, int64_t rows,
-                                  int64_t W, const A* __restrict__ mean,
+                                  int64_t W, int64_t ld, const A* __restrict__ mean,
                                   const A* __restrict__ scale, const A* __restrict__ shift,
                                   A* __restrict__ sdy, A* __restrict__ sdyx) {
   for (int64_t r = 0; r < rows; ++r) {
-    const T* __restrict__ xr = x + r * W;
-    const T* __restrict__ gr = dy + r * W;
+    const T* __restrict__ xr = x + r * ld;
+    const T* __restrict__ gr = dy + r * ld;
     for (int64_t w = 0; w < W; ++w) {
       const A xm = static_cast<A>(xr[w]) - mean[w];
       A g = static_cast<A>(gr[w]);
@@ -508,14 +435,29 @@ void backward_reduce_loops(const Prepared& p, const Tensor& dy, const Coefficien
   const int64_t C = g.C, S = g.S, n = g.n;
   if (use_planes(g, p.layout)) {
     at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
+      const int64_t block = std::min(S, kColumnBlock);
+      std::vector<A> mean(block), scale(block), shift(block), sdy(block), sdyx(block);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t d = i / C, c = i % C;
         const int64_t off = (d * n * C + c) * S;
-        A out[2];
-        grad_sums_planes<scalar_t, A, RELU>(gp + off, xp + off, n, C * S, S, k.mean[i],
-                                            k.scale[i], k.shift[c], out);
-        sum_dy[i] = out[0];
-        sum_dy_xhat[i] = out[1] * k.invstd[i];
+        std::fill(mean.begin(), mean.end(), k.mean[i]);
+        std::fill(scale.begin(), scale.end(), k.scale[i]);
+        std::fill(shift.begin(), shift.end(), k.shift[c]);
+        A total_dy = 0, total_dyx = 0;
+        for (int64_t s0 = 0; s0 < S; s0 += block) {
+          const int64_t W = std::min(block, S - s0);
+          std::fill_n(sdy.begin(), W, A(0));
+          std::fill_n(sdyx.begin(), W, A(0));
+          grad_sums_rows<scalar_t, A, RELU>(gp + off + s0, xp + off + s0, n, W, C * S,
+                                            mean.data(), scale.data(), shift.data(), sdy.data(),
+                                            sdyx.data());
+          for (int64_t w = 0; w < W; ++w) {
+            total_dy += sdy[w];
+            total_dyx += sdyx[w];
+          }
+        }
+        sum_dy[i] = total_dy;
+        sum_dy_xhat[i] = total_dyx * k.invstd[i];
       }
     });
     return;
@@ -536,7 +478,7 @@ void backward_reduce_loops(const Prepared& p, const Tensor& dy, const Coefficien
       const int64_t d = task / T, t = task % T;
       const int64_t r0 = plan.first_row(t), r1 = plan.first_row(t + 1);
       const int64_t off = (d * plan.rows_per_slice + r0) * W;
-      grad_sums_rows<scalar_t, A, RELU>(gp + off, xp + off, r1 - r0, W, mean.data() + d * W,
+      grad_sums_rows<scalar_t, A, RELU>(gp + off, xp + off, r1 - r0, W, W, mean.data() + d * W,
                                         scale.data() + d * W, shift.data(),
                                         psdy.data() + task * W, psdyx.data() + task * W);
     }

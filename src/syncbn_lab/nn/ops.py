@@ -20,6 +20,9 @@ Differentiable with a cross-device reduction done in Python between the primitiv
   through one all_reduce; ``reduce_grads(sum_dy, sum_dy_xhat)`` returns their global sums.
   Without the callables it is :func:`batch_norm_train`.
 
+``batch_norm_train_backward(dy, x, weight, bias, mean, invstd, relu, input_grad) -> (dx,
+dweight, dbias)`` is its backward in one op (dx empty unless ``input_grad``).
+
 Primitives (not differentiable; the ops behind both):
 
 - ``local_stats(x, devices) -> (count (D,), mean (D, C), m2 (D, C))``: one-pass Welford.
@@ -373,29 +376,36 @@ def _register() -> None:
             x.new_empty(shape, dtype=acc),
         )
 
+    @torch.library.register_fake(lib + "batch_norm_train_backward")
+    def _(dy, x, weight, bias, mean, invstd, relu, input_grad):
+        _check_input(x, _stat_rows(x, mean))
+        acc = _acc_dtype(x)
+        dx = _empty_like_kernel_output(x) if input_grad else x.new_empty((0,))
+        return dx, x.new_empty((x.shape[1],), dtype=acc), x.new_empty((x.shape[1],), dtype=acc)
+
     def setup_context(ctx, inputs, output):
         x, weight, bias, devices, group_size, eps, relu = inputs
         _, mean, var, invstd = output
         ctx.save_for_backward(x, weight, bias, mean, invstd)
         ctx.relu = relu
-        ctx.count = _values_per_group(x, devices // group_size)
         ctx.mark_non_differentiable(mean, var, invstd)
 
     def backward(ctx, dy, _dmean, _dvar, _dinvstd):
+        # One op call: the backward is on the path of every training step.
         x, weight, bias, mean, invstd = ctx.saved_tensors
-        ops = torch.ops.syncbn_lab
-        sum_dy, sum_dy_xhat = ops.backward_reduce(dy, x, mean, invstd, weight, bias, ctx.relu)
-        dx = dweight = dbias = None
-        if ctx.needs_input_grad[0]:
-            count = mean.new_full((1,), ctx.count)
-            dx = ops.backward_elemt(
-                dy, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count, ctx.relu
-            )
-        if weight is not None and ctx.needs_input_grad[1]:
-            dweight = _rows_sum(sum_dy_xhat, weight)
-        if bias is not None and ctx.needs_input_grad[2]:
-            dbias = _rows_sum(sum_dy, bias)
-        return dx, dweight, dbias, None, None, None, None
+        need_dx, need_dweight, need_dbias = ctx.needs_input_grad[:3]
+        dx, dweight, dbias = torch.ops.syncbn_lab.batch_norm_train_backward(
+            dy, x, weight, bias, mean, invstd, ctx.relu, need_dx
+        )
+        return (
+            dx if need_dx else None,
+            dweight.to(weight.dtype) if need_dweight else None,
+            dbias.to(bias.dtype) if need_dbias else None,
+            None,
+            None,
+            None,
+            None,
+        )
 
     torch.library.register_autograd(lib + "batch_norm_train", backward, setup_context=setup_context)
 

@@ -1,0 +1,279 @@
+"""Fused BatchNorm kernels against torch's BatchNorm and the reference (a script, not a test).
+
+CPU (always): forward + backward of one BN layer in training mode, float32, shapes
+(64,64,32,32) and (32,256,8,8), NCHW and channels_last, measured side by side in alternating
+rounds (median per call):
+  fused     = syncbn_lab.nn.ops.batch_norm_train + the running-stat update,
+  torch_bn  = torch.nn.BatchNorm2d,
+  reference = syncbn_lab.nn.functional.batch_norm(impl="reference"), the plain-torch formulas.
+Targets: fused <= 1.0x torch_bn, reference >= 3x fused.
+
+GPU (when a GPU and the CUDA kernels are present): fused vs cuDNN BatchNorm2d (target <= 1.1x),
+the effective bandwidth of each kernel (bytes that must move / time) against a device copy
+of the same tensor (target >= 80 % on >= 256 MB), and BN+ReLU fused vs BN then ReLU
+(target >= 1.25x).
+
+    python scripts/bench_kernels.py [--rounds 15] [--threads N] [--no-gpu] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+CPU_SHAPES = [(64, 64, 32, 32), (32, 256, 8, 8)]
+GPU_SHAPES = [(64, 64, 32, 32), (32, 256, 8, 8), (128, 64, 56, 56)]
+BANDWIDTH_SHAPE = (64, 256, 64, 64)  # 256 MiB in float32
+EPS = 1e-5
+
+
+def layout_of(x: torch.Tensor, layout: str) -> torch.Tensor:
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    return x.contiguous(memory_format=fmt)
+
+
+class Layer:
+    """One BN layer (params + running stats) behind three implementations."""
+
+    def __init__(self, channels: int, device: str):
+        self.torch_bn = torch.nn.BatchNorm2d(channels).to(device)
+        self.weight = self.torch_bn.weight
+        self.bias = self.torch_bn.bias
+        self.running_mean = torch.zeros(channels, device=device)
+        self.running_var = torch.ones(channels, device=device)
+
+    def fused(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        from syncbn_lab.nn import ops
+
+        out = ops.batch_norm_train(x, self.weight, self.bias, 1, 1, EPS, relu)
+        count = x.numel() // x.shape[1]
+        with torch.no_grad():
+            self.running_mean.lerp_(out.mean[0], 0.1)
+            self.running_var.lerp_(out.var[0] * (count / (count - 1)), 0.1)
+        return out.y
+
+    def torch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.torch_bn(x)
+
+    def torch_relu(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.torch_bn(x))
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        from syncbn_lab.nn.functional import batch_norm
+
+        return batch_norm(
+            x,
+            self.weight,
+            self.bias,
+            self.running_mean,
+            self.running_var,
+            training=True,
+            momentum=0.1,
+            eps=EPS,
+            impl="reference",
+        )
+
+
+def fwd_bwd(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dy: torch.Tensor):
+    def run():
+        x.grad = None
+        fn(x).backward(dy)
+
+    return run
+
+
+def time_side_by_side(
+    runs: dict[str, Callable[[], None]], rounds: int, sync: Callable[[], None], inner: int = 1
+) -> dict[str, float]:
+    """Median ms per call of each run, interleaved round by round so noise hits all alike."""
+    for run in runs.values():  # warm-up
+        for _ in range(2):
+            run()
+    sync()
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(inner):
+                run()
+            sync()
+            samples[name].append((time.perf_counter() - start) * 1e3 / inner)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def cpu_section(rounds: int, records: list[dict]) -> None:
+    print(f"\nCPU, float32, forward+backward, {torch.get_num_threads()} threads, median ms")
+    header = (
+        f"{'shape':>18} {'layout':>13} {'torch_bn':>9} {'fused':>8} {'reference':>10} "
+        f"{'fused/torch':>12} {'ref/fused':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for shape in CPU_SHAPES:
+        for layout in ("contiguous", "channels_last"):
+            torch.manual_seed(0)
+            layer = Layer(shape[1], "cpu")
+            x = layout_of(torch.randn(shape), layout).requires_grad_()
+            dy = layout_of(torch.randn(shape), layout)
+            runs = {
+                "torch_bn": fwd_bwd(layer.torch, x, dy),
+                "fused": fwd_bwd(layer.fused, x, dy),
+                "reference": fwd_bwd(layer.reference, x, dy),
+            }
+            ms = time_side_by_side(runs, rounds, lambda: None)
+            print(
+                f"{str(shape):>18} {layout:>13} {ms['torch_bn']:9.2f} {ms['fused']:8.2f} "
+                f"{ms['reference']:10.2f} {ms['fused'] / ms['torch_bn']:11.2f}x "
+                f"{ms['reference'] / ms['fused']:9.2f}x"
+            )
+            for impl, value in ms.items():
+                records.append(
+                    {
+                        "section": "cpu",
+                        "impl": impl,
+                        "shape": list(shape),
+                        "dtype": "float32",
+                        "layout": layout,
+                        "fwd_bwd_ms": round(value, 4),
+                    }
+                )
+
+
+def gpu_section(rounds: int, records: list[dict]) -> None:
+    from syncbn_lab.nn import ops
+
+    sync = torch.cuda.synchronize
+    name = torch.cuda.get_device_name()
+    print(f"\nGPU ({name}), forward+backward, median ms")
+    header = (
+        f"{'shape':>18} {'dtype':>9} {'layout':>13} {'cudnn_bn':>9} {'fused':>8} "
+        f"{'fused/cudnn':>12} {'bn+relu':>8} {'fused_relu':>10} {'relu gain':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for shape in GPU_SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            for layout in ("contiguous", "channels_last"):
+                torch.manual_seed(0)
+                layer = Layer(shape[1], "cuda")
+                x = layout_of(torch.randn(shape, device="cuda", dtype=dtype), layout)
+                x.requires_grad_()
+                dy = layout_of(torch.randn(shape, device="cuda", dtype=dtype), layout)
+                runs = {
+                    "cudnn_bn": fwd_bwd(layer.torch, x, dy),
+                    "fused": fwd_bwd(layer.fused, x, dy),
+                    "cudnn_bn_relu": fwd_bwd(layer.torch_relu, x, dy),
+                    "fused_relu": fwd_bwd(lambda t: layer.fused(t, relu=True), x, dy),
+                }
+                ms = time_side_by_side(runs, rounds, sync, inner=5)
+                print(
+                    f"{str(shape):>18} {str(dtype)[6:]:>9} {layout:>13} {ms['cudnn_bn']:9.3f} "
+                    f"{ms['fused']:8.3f} {ms['fused'] / ms['cudnn_bn']:11.2f}x "
+                    f"{ms['cudnn_bn_relu']:8.3f} {ms['fused_relu']:10.3f} "
+                    f"{ms['cudnn_bn_relu'] / ms['fused_relu']:9.2f}x"
+                )
+                for impl, value in ms.items():
+                    records.append(
+                        {
+                            "section": "gpu",
+                            "impl": impl,
+                            "shape": list(shape),
+                            "dtype": str(dtype)[6:],
+                            "layout": layout,
+                            "fwd_bwd_ms": round(value, 4),
+                        }
+                    )
+
+    # Effective bandwidth of each kernel against a device-to-device copy of the same tensor.
+    shape = BANDWIDTH_SHAPE
+    print(f"\nGPU bandwidth, {shape} float32 ({4 * torch.Size(shape).numel() / 2**20:.0f} MiB)")
+    for layout in ("contiguous", "channels_last"):
+        x = layout_of(torch.randn(shape, device="cuda"), layout)
+        dy = layout_of(torch.randn(shape, device="cuda"), layout)
+        out = torch.empty_like(x)
+        w = torch.ones(shape[1], device="cuda")
+        b = torch.zeros(shape[1], device="cuda")
+        count, mean, m2 = ops.local_stats(x, 1)
+        invstd = torch.rsqrt(m2 / count[:, None] + EPS)
+        sums = ops.backward_reduce(dy, x, mean, invstd, w, b)
+        size = x.numel() * x.element_size()
+        kernels = {  # name: (run, bytes that must move)
+            "copy": (lambda: out.copy_(x), 2 * size),
+            "local_stats": (lambda: ops.local_stats(x, 1), size),
+            "forward_elemt": (lambda: ops.forward_elemt(x, mean, invstd, w, b), 2 * size),
+            "backward_reduce": (lambda: ops.backward_reduce(dy, x, mean, invstd, w, b), 2 * size),
+            "backward_elemt": (
+                lambda: ops.backward_elemt(dy, x, mean, invstd, w, b, *sums, count),
+                3 * size,
+            ),
+        }
+        ms = time_side_by_side({k: v[0] for k, v in kernels.items()}, rounds, sync, inner=5)
+        copy_gbs = kernels["copy"][1] / ms["copy"] / 1e6
+        for kernel, (_, nbytes) in kernels.items():
+            gbs = nbytes / ms[kernel] / 1e6
+            print(
+                f"  {layout:>13} {kernel:>16}: {ms[kernel]:8.3f} ms {gbs:8.0f} GB/s "
+                f"({100 * gbs / copy_gbs:5.1f} % of copy)"
+            )
+            records.append(
+                {
+                    "section": "gpu_bandwidth",
+                    "impl": kernel,
+                    "shape": list(shape),
+                    "dtype": "float32",
+                    "layout": layout,
+                    "ms": round(ms[kernel], 4),
+                    "gb_per_s": round(gbs, 1),
+                    "fraction_of_copy": round(gbs / copy_gbs, 4),
+                }
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15, help="timed rounds per case")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--no-gpu", action="store_true", help="skip the GPU section")
+    parser.add_argument("--no-cpu", action="store_true", help="skip the CPU section")
+    parser.add_argument("--json", default=None, help="write the records to this file")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from syncbn_lab.nn import _ext
+
+    if not _ext.available():
+        print("syncbn_lab._C is not built: nothing to benchmark (run `make build-ext`)")
+        return 1
+    records: list[dict] = []
+    if not args.no_cpu:
+        cpu_section(args.rounds, records)
+    gpu = torch.cuda.is_available() and _ext.has_cuda_kernels()
+    if gpu and not args.no_gpu:
+        gpu_section(args.rounds, records)
+    elif not args.no_gpu:
+        print("\nGPU section skipped: no GPU or the extension was built without CUDA")
+    if args.json:
+        meta = {
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name() if gpu else None,
+        }
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "records": records}, f, indent=1)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
