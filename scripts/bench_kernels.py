@@ -148,10 +148,49 @@ def cpu_section(rounds: int, records: list[dict]) -> None:
                 )
 
 
-def gpu_section(rounds: int, records: list[dict]) -> None:
+def gpu_case(shape, dtype, layout: str, rounds: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    layer = Layer(shape[1], "cuda")
+    x = layout_of(torch.randn(shape, device="cuda", dtype=dtype), layout).requires_grad_()
+    dy = layout_of(torch.randn(shape, device="cuda", dtype=dtype), layout)
+    runs = {
+        "cudnn_bn": fwd_bwd(layer.torch, x, dy),
+        "fused": fwd_bwd(layer.fused, x, dy),
+        "cudnn_bn_relu": fwd_bwd(layer.torch_relu, x, dy),
+        "fused_relu": fwd_bwd(lambda t: layer.fused(t, relu=True), x, dy),
+    }
+    return time_side_by_side(runs, rounds, torch.cuda.synchronize, inner=5)
+
+
+def bandwidth_case(shape, layout: str, rounds: int) -> dict[str, tuple[float, int]]:
+    """ms and bytes that must move, per kernel and for a device copy of the same tensor."""
     from syncbn_lab.nn import ops
 
+    x = layout_of(torch.randn(shape, device="cuda"), layout)
+    dy = layout_of(torch.randn(shape, device="cuda"), layout)
+    out = torch.empty_like(x)
+    w = torch.ones(shape[1], device="cuda")
+    b = torch.zeros(shape[1], device="cuda")
+    count, mean, m2 = ops.local_stats(x, 1)
+    invstd = torch.rsqrt(m2 / count[:, None] + EPS)
+    sums = ops.backward_reduce(dy, x, mean, invstd, w, b)
+    size = x.numel() * x.element_size()
+    kernels = {
+        "copy": (lambda: out.copy_(x), 2 * size),
+        "local_stats": (lambda: ops.local_stats(x, 1), size),
+        "forward_elemt": (lambda: ops.forward_elemt(x, mean, invstd, w, b), 2 * size),
+        "backward_reduce": (lambda: ops.backward_reduce(dy, x, mean, invstd, w, b), 2 * size),
+        "backward_elemt": (
+            lambda: ops.backward_elemt(dy, x, mean, invstd, w, b, *sums, count),
+            3 * size,
+        ),
+    }
     sync = torch.cuda.synchronize
+    ms = time_side_by_side({k: v[0] for k, v in kernels.items()}, rounds, sync, inner=5)
+    return {k: (ms[k], nbytes) for k, (_, nbytes) in kernels.items()}
+
+
+def gpu_section(rounds: int, records: list[dict]) -> None:
     name = torch.cuda.get_device_name()
     print(f"\nGPU ({name}), forward+backward, median ms")
     header = (
@@ -163,18 +202,7 @@ def gpu_section(rounds: int, records: list[dict]) -> None:
     for shape in GPU_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
             for layout in ("contiguous", "channels_last"):
-                torch.manual_seed(0)
-                layer = Layer(shape[1], "cuda")
-                x = layout_of(torch.randn(shape, device="cuda", dtype=dtype), layout)
-                x.requires_grad_()
-                dy = layout_of(torch.randn(shape, device="cuda", dtype=dtype), layout)
-                runs = {
-                    "cudnn_bn": fwd_bwd(layer.torch, x, dy),
-                    "fused": fwd_bwd(layer.fused, x, dy),
-                    "cudnn_bn_relu": fwd_bwd(layer.torch_relu, x, dy),
-                    "fused_relu": fwd_bwd(lambda t: layer.fused(t, relu=True), x, dy),
-                }
-                ms = time_side_by_side(runs, rounds, sync, inner=5)
+                ms = gpu_case(shape, dtype, layout, rounds)
                 print(
                     f"{str(shape):>18} {str(dtype)[6:]:>9} {layout:>13} {ms['cudnn_bn']:9.3f} "
                     f"{ms['fused']:8.3f} {ms['fused'] / ms['cudnn_bn']:11.2f}x "
@@ -197,31 +225,13 @@ def gpu_section(rounds: int, records: list[dict]) -> None:
     shape = BANDWIDTH_SHAPE
     print(f"\nGPU bandwidth, {shape} float32 ({4 * torch.Size(shape).numel() / 2**20:.0f} MiB)")
     for layout in ("contiguous", "channels_last"):
-        x = layout_of(torch.randn(shape, device="cuda"), layout)
-        dy = layout_of(torch.randn(shape, device="cuda"), layout)
-        out = torch.empty_like(x)
-        w = torch.ones(shape[1], device="cuda")
-        b = torch.zeros(shape[1], device="cuda")
-        count, mean, m2 = ops.local_stats(x, 1)
-        invstd = torch.rsqrt(m2 / count[:, None] + EPS)
-        sums = ops.backward_reduce(dy, x, mean, invstd, w, b)
-        size = x.numel() * x.element_size()
-        kernels = {  # name: (run, bytes that must move)
-            "copy": (lambda: out.copy_(x), 2 * size),
-            "local_stats": (lambda: ops.local_stats(x, 1), size),
-            "forward_elemt": (lambda: ops.forward_elemt(x, mean, invstd, w, b), 2 * size),
-            "backward_reduce": (lambda: ops.backward_reduce(dy, x, mean, invstd, w, b), 2 * size),
-            "backward_elemt": (
-                lambda: ops.backward_elemt(dy, x, mean, invstd, w, b, *sums, count),
-                3 * size,
-            ),
-        }
-        ms = time_side_by_side({k: v[0] for k, v in kernels.items()}, rounds, sync, inner=5)
-        copy_gbs = kernels["copy"][1] / ms["copy"] / 1e6
-        for kernel, (_, nbytes) in kernels.items():
-            gbs = nbytes / ms[kernel] / 1e6
+        result = bandwidth_case(shape, layout, rounds)
+        copy_ms, copy_bytes = result["copy"]
+        copy_gbs = copy_bytes / copy_ms / 1e6
+        for kernel, (ms, nbytes) in result.items():
+            gbs = nbytes / ms / 1e6
             print(
-                f"  {layout:>13} {kernel:>16}: {ms[kernel]:8.3f} ms {gbs:8.0f} GB/s "
+                f"  {layout:>13} {kernel:>16}: {ms:8.3f} ms {gbs:8.0f} GB/s "
                 f"({100 * gbs / copy_gbs:5.1f} % of copy)"
             )
             records.append(
@@ -231,7 +241,7 @@ def gpu_section(rounds: int, records: list[dict]) -> None:
                     "shape": list(shape),
                     "dtype": "float32",
                     "layout": layout,
-                    "ms": round(ms[kernel], 4),
+                    "ms": round(ms, 4),
                     "gb_per_s": round(gbs, 1),
                     "fraction_of_copy": round(gbs / copy_gbs, 4),
                 }
