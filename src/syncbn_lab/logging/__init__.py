@@ -46,8 +46,13 @@ class RunLogger(NullLogger):
     def finish(self, exit_code: int = 0) -> None:
         self.metrics.close()
         if self.wandb_run is not None:
+            import wandb
+
             self.wandb_run.finish(exit_code=exit_code)
             self.wandb_run = None
+            # finish() can return before the service has flushed an offline run's log;
+            # shutting the service down waits for it
+            wandb.teardown()
 
 
 def _start_wandb(run_dir: Path, cfg: DictConfig):
