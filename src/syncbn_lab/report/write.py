@@ -135,7 +135,7 @@ def _markdown(runs, ddp, title, plots, sweep_wall_time_s) -> str:
     for b in batches:
         row = [str(b)]
         for v in variants:
-            members = cells.get((v, b), []) or (gn_runs if v == "gn" else [])
+            members = cells.get((v, b), [])
             row.append(fmt(*mean_std([r["train_loss"] for r in members]), digits=4))
         lines.append("| " + " | ".join(row) + " |")
     lines += [
