@@ -46,22 +46,25 @@ def main(cfg: DictConfig) -> float | None:
     return summary.get("test_acc") if summary else None
 
 
-def torchrun_follower_overrides() -> list[str]:
-    """Hydra overrides for torchrun ranks > 0: a throwaway run dir, no .hydra, no log file."""
+def torchrun_follower_args(args: list[str]) -> list[str]:
+    """For torchrun ranks > 0: ``args`` with a throwaway Hydra run dir, no .hydra folder and
+    no log file (rank 0's run dir is the run's one)."""
     rank = os.environ.get("RANK")
     if rank is None or "WORLD_SIZE" not in os.environ or int(rank) == 0:
-        return []
+        return args
     scratch = tempfile.mkdtemp(prefix=f"syncbn-lab-rank{rank}-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-    return [
-        f"hydra.run.dir={scratch}",
-        "hydra.output_subdir=null",
-        "hydra/job_logging=disabled",
-        "hydra/hydra_logging=disabled",
-    ]
+    replaced = {
+        "hydra.run.dir": scratch,
+        "hydra.output_subdir": "null",
+        "hydra/job_logging": "disabled",
+        "hydra/hydra_logging": "disabled",
+    }
+    kept = [a for a in args if a.split("=", 1)[0].lstrip("+~") not in replaced]
+    return kept + [f"{key}={value}" for key, value in replaced.items()]
 
 
 if __name__ == "__main__":
-    sys.argv += torchrun_follower_overrides()
+    sys.argv[1:] = torchrun_follower_args(sys.argv[1:])
     precheck(CONFIG_DIR, sys.argv[1:])
     main()

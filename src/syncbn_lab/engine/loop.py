@@ -27,7 +27,7 @@ from syncbn_lab.engine.optim import lr_factor
 from syncbn_lab.engine.precise_bn import update_bn_stats
 from syncbn_lab.parallel.bn_buffers import BNBuffers
 from syncbn_lab.parallel.context import Runtime
-from syncbn_lab.parallel.dp import loss_and_counts
+from syncbn_lab.parallel.dp import at_least_fp32, loss_and_counts
 
 
 @dataclass
@@ -149,7 +149,7 @@ class Trainer:
         if self.loss_in_model:
             return loss_and_counts(self.model(images, labels))
         logits = self.model(images)
-        loss = F.cross_entropy(logits.float(), labels)
+        loss = F.cross_entropy(at_least_fp32(logits), labels)
         return loss, (logits.argmax(1) == labels).sum(), labels.numel()
 
     # -- the loop -------------------------------------------------------------

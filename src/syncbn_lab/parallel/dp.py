@@ -30,10 +30,15 @@ class LossInModule(nn.Module):
 
     def forward(self, images: Tensor, labels: Tensor) -> Tensor:
         logits = self.model(images)
-        loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum")
+        loss_sum = F.cross_entropy(at_least_fp32(logits), labels, reduction="sum")
         correct = (logits.argmax(1) == labels).sum().to(loss_sum.dtype)
         count = torch.tensor(float(labels.numel()), device=loss_sum.device)
         return torch.stack([loss_sum, correct, count]).unsqueeze(0)
+
+
+def at_least_fp32(logits: Tensor) -> Tensor:
+    """Half-precision logits in float32 for the loss; float32 and float64 as they are."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
 def loss_and_counts(outputs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
