@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
 PY_LIMITED_API = "0x030A0000"  # CPython 3.10: the module defines no Python API of its own
+# Where a failed build leaves its reason; syncbn_lab.nn._ext quotes it in its warning.
+BUILD_ERROR_FILE = ROOT / "build" / "syncbn_lab_C_build_error.txt"
 
 
 def _say(message: str) -> None:
@@ -131,18 +133,23 @@ def extension_setup() -> dict:
             try:
                 super().build_extension(ext)
             except Exception as error:  # noqa: BLE001 - any failure leaves the reference path
-                reason = str(error).strip().splitlines()[-1:] or [type(error).__name__]
+                reason = (str(error).strip().splitlines() or [type(error).__name__])[-1]
                 _say(
-                    f"building {ext.name} FAILED ({reason[0]}); the package will use its "
-                    "reference implementation. Fix the error and run `make build-ext`."
+                    f"building {ext.name} FAILED ({reason}); the package will use its "
+                    "reference implementation. Fix the error and run `make build-ext` "
+                    "(pip -v shows the compiler's output)."
                 )
+                BUILD_ERROR_FILE.parent.mkdir(parents=True, exist_ok=True)
+                BUILD_ERROR_FILE.write_text(f"its build failed: {reason}\n")
+            else:
+                BUILD_ERROR_FILE.unlink(missing_ok=True)
 
     extension.optional = True  # setuptools then skips copying a .so that failed to build
     return {
         "ext_modules": [extension],
         "cmdclass": {"build_ext": OptionalBuildExtension.with_options(use_ninja=True)},
-        "options": {"bdist_wheel": {"py_limited_api": "cp310"}},
     }
 
 
-setup(**extension_setup())
+if __name__ == "__main__":  # also under pip: setuptools runs this file as __main__
+    setup(**extension_setup())

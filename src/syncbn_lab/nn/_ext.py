@@ -11,10 +11,14 @@ import importlib
 import os
 import threading
 import warnings
+from pathlib import Path
 
 import torch
 
 __all__ = ["available", "has_cuda_kernels", "load", "unavailable_reason"]
+
+# Left by setup.py when the build failed (a source checkout installed with -e).
+_BUILD_ERROR_FILE = Path(__file__).resolve().parents[3] / "build" / "syncbn_lab_C_build_error.txt"
 
 _lock = threading.Lock()
 _loaded: bool | None = None
@@ -38,6 +42,8 @@ def load() -> bool:
             torch.ops.syncbn_lab.local_stats.default  # noqa: B018 - raises if the ops are missing
         except Exception as error:  # ImportError, OSError (ABI), AttributeError (no ops)
             _loaded, _reason = False, f"{type(error).__name__}: {error}".splitlines()[0]
+            if isinstance(error, ModuleNotFoundError) and _BUILD_ERROR_FILE.is_file():
+                _reason = _BUILD_ERROR_FILE.read_text().strip().splitlines()[0]
         else:
             _loaded = True
         return _loaded

@@ -1,0 +1,171 @@
+"""CUDA kernels against the float64 reference on the GPU (skipped without a GPU).
+
+Shapes are chosen to reach every launch shape of csrc/cuda/syncbn.cu: planes (S >= 32) and
+rows (channels_last, or S < 32), one and many chunks per (slice, channel), fewer channels than
+a warp, 16-byte vector loads and the scalar fallback (odd sizes), 32- and 64-bit indices.
+Tolerances as in test_fused_ops.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference_bn import reference_with_grads
+from test_fused_ops import TOL, assert_matches, to_layout
+
+from syncbn_lab.nn import _ext, ops
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"),
+    pytest.mark.skipif(
+        not _ext.has_cuda_kernels(), reason="syncbn_lab._C was built without CUDA kernels"
+    ),
+]
+
+SHAPES = {
+    "2d": (64, 37),
+    "3d": (16, 5, 33),
+    "small_plane": (32, 40, 3, 5),
+    "plane": (16, 24, 16, 16),
+    "many_chunks": (256, 3, 32, 32),
+    "odd_plane": (6, 7, 9, 11),
+    "5d": (4, 8, 4, 6, 8),
+}
+
+
+def make_cuda_inputs(shape, dtype, layout, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64) * 2 + 0.5
+    dy = torch.randn(*shape, generator=g, dtype=torch.float64)
+    w = 1 + 0.5 * torch.randn(shape[1], generator=g, dtype=torch.float64)
+    b = 0.3 * torch.randn(shape[1], generator=g, dtype=torch.float64)
+    x = to_layout(x.to(dtype), layout).cuda()
+    dy = to_layout(dy.to(dtype), layout).cuda()
+    return x, w.float().cuda(), b.float().cuda(), dy
+
+
+def run_cuda(x, w, b, dy, devices, group_size, relu):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    b = b.detach().clone().requires_grad_()
+    out = ops.batch_norm_train(x, w, b, devices, group_size, 1e-5, relu)
+    out.y.backward(dy)
+    assert out.y.is_cuda and out.mean.is_cuda
+    return {
+        "y": out.y.detach().cpu(),
+        "mean": out.mean.cpu(),
+        "var": out.var.cpu(),
+        "dx": x.grad.cpu(),
+        "dweight": w.grad.cpu(),
+        "dbias": b.grad.cpu(),
+    }
+
+
+@pytest.mark.parametrize("relu", [False, True], ids=["bn", "bn_relu"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+def test_cuda_matches_float64_reference(shape, layout, relu):
+    x, w, b, dy = make_cuda_inputs(shape, torch.float32, layout)
+    fused = run_cuda(x, w, b, dy, devices=2, group_size=1, relu=relu)
+    ref = reference_with_grads(x.cpu(), w.cpu(), b.cpu(), dy.cpu(), groups=2, relu=relu)
+    # d(weight), d(bias) are sums over up to 2^17 values: compare them per value.
+    count = x.numel() // x.shape[1]
+    for name in ("dweight", "dbias"):
+        fused[name], ref[name] = fused[name] / count, ref[name] / count
+    assert_matches(fused, ref, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_cuda_dtypes(dtype, layout):
+    x, w, b, dy = make_cuda_inputs((32, 16, 8, 8), dtype, layout, seed=1)
+    fused = run_cuda(x, w, b, dy, devices=4, group_size=2, relu=True)
+    ref = reference_with_grads(x.cpu(), w.cpu(), b.cpu(), dy.cpu(), groups=2, relu=True)
+    for name in ("dweight", "dbias"):
+        fused[name], ref[name] = fused[name] / 1024, ref[name] / 1024
+    assert fused["y"].dtype == dtype
+    assert_matches(fused, ref, TOL[dtype], stats_tol=1e-5 if dtype != torch.float64 else 1e-10)
+
+
+@pytest.mark.parametrize("devices,group_size", [(1, 1), (4, 1), (4, 4), (8, 2)])
+def test_cuda_equals_cpu_kernels(devices, group_size):
+    x, w, b, dy = make_cuda_inputs((32, 12, 10, 10), torch.float32, "channels_last", seed=2)
+    gpu = run_cuda(x, w, b, dy, devices, group_size, relu=False)
+    xc = x.cpu().requires_grad_()
+    wc, bc = w.cpu().requires_grad_(), b.cpu().requires_grad_()
+    out = ops.batch_norm_train(xc, wc, bc, devices, group_size, 1e-5, False)
+    out.y.backward(dy.cpu())
+    torch.testing.assert_close(gpu["y"], out.y.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gpu["dx"], xc.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gpu["var"], out.var, atol=1e-6, rtol=1e-5)
+
+
+def test_cuda_large_offset_is_stable():
+    g = torch.Generator().manual_seed(0)
+    x64 = 1e4 + 0.1 * torch.randn(64, 4, 16, 16, generator=g, dtype=torch.float64)
+    for layout in ("contiguous", "channels_last"):
+        x = to_layout(x64.float(), layout).cuda()
+        out = ops.batch_norm_train(x, None, None, 4, 4, 0.0, False)
+        ref = x.double().cpu().transpose(0, 1).reshape(4, -1).var(1, unbiased=False)
+        torch.testing.assert_close(out.var[0].double().cpu(), ref, rtol=1e-4, atol=0)
+
+
+def test_cuda_merge_stats():
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randn(k, 5, generator=g, dtype=torch.float64) for k in (7, 0, 3)]
+    zero = torch.zeros(5, dtype=torch.float64)
+    count = torch.tensor([7.0, 0.0, 3.0], dtype=torch.float64)
+    mean = torch.stack([p.mean(0) if len(p) else zero for p in parts])
+    m2 = torch.stack([((p - p.mean(0)) ** 2).sum(0) if len(p) else zero for p in parts])
+    total, merged_mean, merged_m2 = ops.merge_stats(count.cuda(), mean.cuda(), m2.cuda())
+    union = torch.cat(parts)
+    assert total.item() == 10
+    torch.testing.assert_close(merged_mean.cpu(), union.mean(0))
+    torch.testing.assert_close(merged_m2.cpu(), ((union - union.mean(0)) ** 2).sum(0))
+
+
+def test_cuda_runs_on_the_current_stream():
+    x, w, b, dy = make_cuda_inputs((16, 8, 8, 8), torch.float32, "contiguous")
+    expected = ops.batch_norm_train(x, w, b, 1, 1, 1e-5, False).y
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        y = ops.batch_norm_train(x, w, b, 1, 1, 1e-5, False).y
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.testing.assert_close(y, expected, atol=0, rtol=0)
+
+
+def test_cuda_opcheck():
+    x, w, b, dy = make_cuda_inputs((8, 4, 6, 6), torch.float64, "channels_last")
+    w, b = w.double(), b.double()
+    lib = torch.ops.syncbn_lab
+    count, mean, m2 = lib.local_stats(x, 2)
+    invstd = torch.rsqrt(m2 / count[:, None] + 1e-5)
+    sums = lib.backward_reduce(dy, x, mean, invstd, w, b, True)
+    cases = [
+        (lib.local_stats.default, (x, 2)),
+        (lib.merge_stats.default, (count, mean, m2)),
+        (lib.forward_elemt.default, (x, mean, invstd, w, b, True)),
+        (lib.backward_reduce.default, (dy, x, mean, invstd, w, b, True)),
+        (lib.backward_elemt.default, (dy, x, mean, invstd, w, b, *sums, count, True)),
+        (
+            lib.batch_norm_train.default,
+            (x.clone().requires_grad_(), w.clone().requires_grad_(), b, 2, 2, 1e-5, True),
+        ),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.slow
+def test_cuda_64bit_indices():
+    """More than 2^30 elements: the elementwise kernels switch to 64-bit indexing."""
+    n = (1 << 30) // (64 * 256) + 1
+    x = torch.randn(n, 64, 256, device="cuda", dtype=torch.bfloat16)
+    mean = torch.zeros(1, 64, device="cuda")
+    invstd = torch.full((1, 64), 2.0, device="cuda")
+    y = ops.forward_elemt(x, mean, invstd)
+    assert x.numel() > (1 << 30)
+    torch.testing.assert_close(y[-1], (x[-1].float() * 2).bfloat16(), atol=0, rtol=0)
+    torch.testing.assert_close(y[0], (x[0].float() * 2).bfloat16(), atol=0, rtol=0)
