@@ -1,0 +1,189 @@
+"""Benchmark the parallel modes on CPU; prints a table (a script, not a timed test).
+
+1. Emulation overhead: images/s of one process emulating N devices (N = 2, 8, 64) against
+   single-device training of the same model at the same global batch (64), bn=bn and
+   bn=sync. The target is >= 0.85x at N = 8.
+2. Real DDP: the step time of 2 gloo ranks (32 images each, one thread each) against one
+   process (64 images, as many threads as the ranks have together).
+3. SyncBN's cost under real DDP: step time with bn=sync over bn=bn, 2 gloo ranks.
+
+Measurements alternate between the configurations being compared (single, emulated, ...,
+single, emulated) and report medians, so a busy machine slows both sides alike.
+
+    python scripts/bench_parallel.py            # resnet8 width 16 on 1x28x28 (MNIST-sized)
+    python scripts/bench_parallel.py --quick    # fewer steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, open_dict
+
+from syncbn_lab import models
+from syncbn_lab.config import available_cores, compose, validate
+from syncbn_lab.nn.registry import norm_layer
+from syncbn_lab.parallel import Runtime, parallelize
+
+GLOBAL_BATCH = 64
+IMAGE = (1, 28, 28)
+CLASSES = 10
+
+
+def build(cfg: DictConfig, rt: Runtime, our_bn: bool = False):
+    """The model for ``cfg``; ``our_bn``: syncbn_lab's BatchNorm even for one device (where
+    bn=bn would take torch.nn.BatchNorm2d), to separate emulation from layer cost."""
+    emulated = cfg.parallel.devices if cfg.parallel.name == "emulated" else 1
+    torch.manual_seed(0)
+    norm = norm_layer(cfg.bn, emulated)
+    if our_bn and cfg.bn.name == "bn" and emulated == 1:
+        from syncbn_lab.nn import BatchNorm
+
+        norm = lambda c: BatchNorm(c)  # noqa: E731
+    model = models.build(cfg.model, norm, CLASSES, IMAGE[0])
+    wrapped = parallelize(model, cfg, rt).model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return wrapped, optimizer
+
+
+def make_step(cfg: DictConfig, rt: Runtime, batch: int, our_bn: bool = False):
+    model, optimizer = build(cfg, rt, our_bn)
+    g = torch.Generator().manual_seed(rt.rank)
+    images = torch.randn(batch, *IMAGE, generator=g)
+    labels = torch.randint(0, CLASSES, (batch,), generator=g)
+
+    def step() -> None:
+        loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def timed(step, steps: int) -> float:
+    """Median seconds per step over ``steps`` steps."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def config(*overrides: str) -> DictConfig:
+    base = [
+        "model=resnet8",
+        "model.width=16",
+        "logger=none",
+        f"trainer.global_batch_size={GLOBAL_BATCH}",
+    ]
+    return validate(compose([*base, *overrides]))
+
+
+# -- 1. emulation overhead ---------------------------------------------------------------------
+def emulation_overhead(devices: list[int], steps: int, rounds: int) -> list[tuple]:
+    """Rows (bn, N, per-device batch, img/s: torch BN one device, same layer one device,
+    emulated N devices)."""
+    rows = []
+    for bn in ("bn", "sync"):
+        steps_of = {
+            "torch": make_step(config("bn=bn"), Runtime(), GLOBAL_BATCH),
+            "layer": make_step(config(f"bn={bn}"), Runtime(), GLOBAL_BATCH, our_bn=True),
+        }
+        for n in devices:
+            cfg = config("parallel=emulated", f"parallel.devices={n}", f"bn={bn}")
+            steps_of[n] = make_step(cfg, Runtime(devices_per_process=n), GLOBAL_BATCH)
+        for step in steps_of.values():
+            timed(step, 3)  # warm-up
+        times = {key: [] for key in steps_of}
+        for _ in range(rounds):  # interleaved: torch, layer, N=2, N=8, ..., torch, ...
+            for key, step in steps_of.items():
+                times[key].append(timed(step, steps))
+        rate = {key: GLOBAL_BATCH / statistics.median(t) for key, t in times.items()}
+        for n in devices:
+            rows.append((bn, n, GLOBAL_BATCH // n, rate["torch"], rate["layer"], rate[n]))
+    return rows
+
+
+# -- 2 and 3. real DDP -----------------------------------------------------------------------
+def ddp_worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict:
+    """Runs in each rank: median step time of this rank's per-device batch."""
+    import torch.distributed as dist
+
+    step = make_step(cfg, rt, cfg.derived.per_device_batch_size)
+    timed(step, 3)
+    medians = []
+    for _ in range(cfg.bench.rounds):
+        dist.barrier()
+        medians.append(timed(step, cfg.bench.steps))
+    return {"step_s": statistics.median(medians)}
+
+
+def ddp_step_time(bn: str, steps: int, rounds: int) -> float:
+    from syncbn_lab.parallel.ddp import launch_ddp
+
+    cfg = config("parallel=ddp", "parallel.devices=2", f"bn={bn}", "trainer.threads=1")
+    with open_dict(cfg):
+        cfg.bench = {"steps": steps, "rounds": rounds}
+    with tempfile.TemporaryDirectory() as run_dir:
+        return launch_ddp(cfg, ddp_worker, Path(run_dir))["step_s"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps (noisier)")
+    args = parser.parse_args()
+    steps, rounds = (3, 3) if args.quick else (5, 5)
+    threads = torch.get_num_threads()
+    print(
+        f"torch {torch.__version__}, {available_cores()} cores, {threads} threads, "
+        f"resnet8 width 16, input {IMAGE}, global batch {GLOBAL_BATCH}\n"
+    )
+
+    print("1. Emulation overhead: images/s of one process emulating N devices against one device")
+    print("   with torch.nn.BatchNorm2d (torch) and with the same syncbn_lab layer (layer)")
+    header = (
+        "bn",
+        "N",
+        "per-dev",
+        "torch img/s",
+        "layer img/s",
+        "emul. img/s",
+        "vs torch",
+        "vs layer",
+    )
+    print("{:>5} {:>4} {:>7} {:>11} {:>11} {:>11} {:>8} {:>8}".format(*header))
+    for bn, n, per_device, torch_rate, layer, emulated in emulation_overhead(
+        [2, 8, 64], steps, rounds
+    ):
+        print(
+            f"{bn:>5} {n:>4} {per_device:>7} {torch_rate:>11.0f} {layer:>11.0f} {emulated:>11.0f} "
+            f"{emulated / torch_rate:>8.2f} {emulated / layer:>8.2f}"
+        )
+
+    print("\n2./3. Real DDP, 2 gloo ranks x 1 thread, 32 images per rank (global 64)")
+    one_process = make_step(config("bn=bn"), Runtime(), GLOBAL_BATCH)
+    timed(one_process, 3)  # warm-up
+    single_times = [timed(one_process, steps) for _ in range(rounds)]
+    ddp_bn = ddp_step_time("bn", steps, rounds)
+    ddp_sync = ddp_step_time("sync", steps, rounds)
+    single_times += [timed(one_process, steps) for _ in range(rounds)]  # before and after
+    single = statistics.median(single_times)
+    print(f"{'configuration':<44} {'step ms':>8} {'ratio':>6}")
+    print(
+        f"{f'one process, {threads} threads, 64 images, bn':<44} {1e3 * single:>8.1f} {1.0:>6.2f}"
+    )
+    print(f"{'2-rank gloo DDP, bn':<44} {1e3 * ddp_bn:>8.1f} {ddp_bn / single:>6.2f}")
+    print(f"{'2-rank gloo DDP, sync':<44} {1e3 * ddp_sync:>8.1f} {ddp_sync / single:>6.2f}")
+    print(f"\nSyncBN / BN step time under 2-rank DDP: {ddp_sync / ddp_bn:.2f}")
+
+
+if __name__ == "__main__":
+    main()
