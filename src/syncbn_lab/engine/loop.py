@@ -97,6 +97,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
+        self.bn_buffers.adopt_module_buffers()  # every (emulated) device resumes from them
         self.optimizer.load_state_dict(state["optimizer"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -269,7 +270,7 @@ class Trainer:
         if not layers:
             test = test_ema
         else:
-            self.bn_buffers.after_precise_bn()
+            self.bn_buffers.adopt_module_buffers()
             test = self.evaluate(self.loaders.test)
             self.save("last_precise_bn.pt")
         return {"test_acc_precise_bn": test["acc"], "test_loss_precise_bn": test["loss"]}

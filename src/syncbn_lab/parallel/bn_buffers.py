@@ -34,8 +34,9 @@ class BNBuffers:
     def evaluation(self) -> Iterator[None]:
         yield
 
-    def after_precise_bn(self) -> None:
-        """PreciseBN set the same statistics on every rank; make every device hold them."""
+    def adopt_module_buffers(self) -> None:
+        """The module's buffers were set on every rank alike (PreciseBN, a resumed
+        checkpoint): make every device hold them."""
 
 
 class DistributedBNBuffers(BNBuffers):
@@ -80,7 +81,7 @@ class EmulatedBNBuffers(BNBuffers):
             self.model.broadcast_buffers_from_device0()
         yield  # none: the layers' buffers are device 0's already
 
-    def after_precise_bn(self) -> None:
+    def adopt_module_buffers(self) -> None:
         self.model.broadcast_buffers_from_device0()
 
 
