@@ -8,7 +8,8 @@
 3. SyncBN's cost under real DDP: step time with bn=sync over bn=bn, 2 gloo ranks.
 
 Measurements alternate between the configurations being compared (single, emulated, ...,
-single, emulated) and report medians, so a busy machine slows both sides alike.
+single, emulated); ratios are medians of per-round ratios, so a machine that gets busier
+during the run slows both sides of each ratio alike.
 
     python scripts/bench_parallel.py            # resnet8 width 16 on 1x28x28 (MNIST-sized)
     python scripts/bench_parallel.py --quick    # fewer steps
@@ -89,8 +90,9 @@ def config(*overrides: str) -> DictConfig:
 
 # -- 1. emulation overhead ---------------------------------------------------------------------
 def emulation_overhead(devices: list[int], steps: int, rounds: int) -> list[tuple]:
-    """Rows (bn, N, per-device batch, img/s: torch BN one device, same layer one device,
-    emulated N devices)."""
+    """Rows (bn, N, per-device batch, img/s of: torch BN on one device, the same syncbn_lab
+    layer on one device, N emulated devices; and the median per-round ratios emulated/torch
+    and emulated/layer)."""
     rows = []
     for bn in ("bn", "sync"):
         steps_of = {
@@ -108,8 +110,27 @@ def emulation_overhead(devices: list[int], steps: int, rounds: int) -> list[tupl
                 times[key].append(timed(step, steps))
         rate = {key: GLOBAL_BATCH / statistics.median(t) for key, t in times.items()}
         for n in devices:
-            rows.append((bn, n, GLOBAL_BATCH // n, rate["torch"], rate["layer"], rate[n]))
+            vs_torch = ratio_of_rounds(times["torch"], times[n])
+            vs_layer = ratio_of_rounds(times["layer"], times[n])
+            rows.append(
+                (
+                    bn,
+                    n,
+                    GLOBAL_BATCH // n,
+                    rate["torch"],
+                    rate["layer"],
+                    rate[n],
+                    vs_torch,
+                    vs_layer,
+                )
+            )
     return rows
+
+
+def ratio_of_rounds(reference: list[float], other: list[float]) -> float:
+    """Median over rounds of reference/other step time (= other/reference images/s): each
+    round's pair ran back to back, so a machine that gets busier slows both."""
+    return statistics.median(r / o for r, o in zip(reference, other, strict=True))
 
 
 # -- 2 and 3. real DDP -----------------------------------------------------------------------
@@ -118,71 +139,72 @@ def ddp_worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict:
     import torch.distributed as dist
 
     step = make_step(cfg, rt, cfg.derived.per_device_batch_size)
-    timed(step, 3)
-    medians = []
-    for _ in range(cfg.bench.rounds):
-        dist.barrier()
-        medians.append(timed(step, cfg.bench.steps))
-    return {"step_s": statistics.median(medians)}
+    timed(step, 2)
+    dist.barrier()
+    return {"step_s": timed(step, cfg.bench.steps)}
 
 
-def ddp_step_time(bn: str, steps: int, rounds: int) -> float:
+def ddp_step_time(bn: str, steps: int) -> float:
     from syncbn_lab.parallel.ddp import launch_ddp
 
     cfg = config("parallel=ddp", "parallel.devices=2", f"bn={bn}", "trainer.threads=1")
     with open_dict(cfg):
-        cfg.bench = {"steps": steps, "rounds": rounds}
+        cfg.bench = {"steps": steps}
     with tempfile.TemporaryDirectory() as run_dir:
         return launch_ddp(cfg, ddp_worker, Path(run_dir))["step_s"]
 
 
+def ddp_against_one_process(steps: int, rounds: int) -> dict[str, float]:
+    """Median step times, and median per-round ratios, of one process (64 images) and of
+    2-rank DDP with bn and with sync (32 images per rank); rounds alternate the three."""
+    one_process = make_step(config("bn=bn"), Runtime(), GLOBAL_BATCH)
+    timed(one_process, 3)  # warm-up
+    times = {"single": [], "bn": [], "sync": []}
+    for _ in range(rounds):
+        times["single"].append(timed(one_process, steps))
+        times["bn"].append(ddp_step_time("bn", steps))
+        times["sync"].append(ddp_step_time("sync", steps))
+    result = {key: statistics.median(t) for key, t in times.items()}
+    result["bn/single"] = ratio_of_rounds(times["bn"], times["single"])
+    result["sync/single"] = ratio_of_rounds(times["sync"], times["single"])
+    result["sync/bn"] = ratio_of_rounds(times["sync"], times["bn"])
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps (noisier)")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
     args = parser.parse_args()
-    steps, rounds = (3, 3) if args.quick else (5, 5)
+    steps, rounds = (2, 4) if args.quick else (2, 12)
     threads = torch.get_num_threads()
     print(
         f"torch {torch.__version__}, {available_cores()} cores, {threads} threads, "
-        f"resnet8 width 16, input {IMAGE}, global batch {GLOBAL_BATCH}\n"
+        f"resnet8 width 16, input {IMAGE}, global batch {GLOBAL_BATCH}, "
+        f"{rounds} rounds of {steps} steps\n"
     )
 
     print("1. Emulation overhead: images/s of one process emulating N devices against one device")
     print("   with torch.nn.BatchNorm2d (torch) and with the same syncbn_lab layer (layer)")
-    header = (
-        "bn",
-        "N",
-        "per-dev",
-        "torch img/s",
-        "layer img/s",
-        "emul. img/s",
-        "vs torch",
-        "vs layer",
+    header = ("bn", "N", "per-dev", "torch img/s", "layer img/s", "emul. img/s")
+    print(
+        "{:>5} {:>4} {:>7} {:>11} {:>11} {:>11} {:>8} {:>8}".format(*header, "vs torch", "vs layer")
     )
-    print("{:>5} {:>4} {:>7} {:>11} {:>11} {:>11} {:>8} {:>8}".format(*header))
-    for bn, n, per_device, torch_rate, layer, emulated in emulation_overhead(
+    for bn, n, per_device, torch_rate, layer, emulated, vs_torch, vs_layer in emulation_overhead(
         [2, 8, 64], steps, rounds
     ):
         print(
             f"{bn:>5} {n:>4} {per_device:>7} {torch_rate:>11.0f} {layer:>11.0f} {emulated:>11.0f} "
-            f"{emulated / torch_rate:>8.2f} {emulated / layer:>8.2f}"
+            f"{vs_torch:>8.2f} {vs_layer:>8.2f}"
         )
 
     print("\n2./3. Real DDP, 2 gloo ranks x 1 thread, 32 images per rank (global 64)")
-    one_process = make_step(config("bn=bn"), Runtime(), GLOBAL_BATCH)
-    timed(one_process, 3)  # warm-up
-    single_times = [timed(one_process, steps) for _ in range(rounds)]
-    ddp_bn = ddp_step_time("bn", steps, rounds)
-    ddp_sync = ddp_step_time("sync", steps, rounds)
-    single_times += [timed(one_process, steps) for _ in range(rounds)]  # before and after
-    single = statistics.median(single_times)
+    ddp = ddp_against_one_process(steps, max(3, rounds // 3))
     print(f"{'configuration':<44} {'step ms':>8} {'ratio':>6}")
-    print(
-        f"{f'one process, {threads} threads, 64 images, bn':<44} {1e3 * single:>8.1f} {1.0:>6.2f}"
-    )
-    print(f"{'2-rank gloo DDP, bn':<44} {1e3 * ddp_bn:>8.1f} {ddp_bn / single:>6.2f}")
-    print(f"{'2-rank gloo DDP, sync':<44} {1e3 * ddp_sync:>8.1f} {ddp_sync / single:>6.2f}")
-    print(f"\nSyncBN / BN step time under 2-rank DDP: {ddp_sync / ddp_bn:.2f}")
+    one = f"one process, {threads} threads, 64 images, bn"
+    print(f"{one:<44} {1e3 * ddp['single']:>8.1f} {1:>6.2f}")
+    print(f"{'2-rank gloo DDP, bn':<44} {1e3 * ddp['bn']:>8.1f} {ddp['bn/single']:>6.2f}")
+    print(f"{'2-rank gloo DDP, sync':<44} {1e3 * ddp['sync']:>8.1f} {ddp['sync/single']:>6.2f}")
+    print(f"\nSyncBN / BN step time under 2-rank DDP: {ddp['sync/bn']:.2f}")
 
 
 if __name__ == "__main__":
