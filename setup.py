@@ -107,6 +107,12 @@ def extension_setup() -> dict:
 
     # -g0: no debug info (Python's own flags add -g), a faster build and a 10x smaller .so.
     cxx_flags = ["-O3", "-g0", "-ffp-contract=off", f"-DPy_LIMITED_API={PY_LIMITED_API}"]
+    link_flags = []
+    if sys.platform.startswith("linux"):
+        # at::parallel_for is serial unless the extension itself is compiled with OpenMP;
+        # libgomp.so.1 then resolves to the copy torch has already loaded.
+        cxx_flags.append("-fopenmp")
+        link_flags.append("-fopenmp")
     sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
@@ -115,6 +121,7 @@ def extension_setup() -> dict:
             "syncbn_lab._C",
             sources,
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
+            extra_link_args=link_flags,
             define_macros=[("SYNCBN_LAB_WITH_CUDA", "1")],
             py_limited_api=True,
         )
@@ -122,7 +129,11 @@ def extension_setup() -> dict:
         _say(f"building syncbn_lab._C with CUDA ({why}, archs {archs})")
     else:
         extension = cpp_extension.CppExtension(
-            "syncbn_lab._C", sources, extra_compile_args={"cxx": cxx_flags}, py_limited_api=True
+            "syncbn_lab._C",
+            sources,
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=link_flags,
+            py_limited_api=True,
         )
         _say(f"building syncbn_lab._C for CPU only ({why})")
 

@@ -24,13 +24,12 @@ PyObject* PyInit__C(void) {
 
 namespace syncbn_lab {
 
-namespace {
-
 using at::Tensor;
 
 // The composite calls the primitives through the dispatcher, so it runs on any device
-// that implements them (CPU, CUDA) and never needs its own kernel.
-std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train(
+// that implements them. The CPU registers its own kernel for the contiguous layout (one
+// pass less, see syncbn_cpu.cpp) and calls this one for the others.
+std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train_composite(
     const Tensor& x, const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
     int64_t devices, int64_t group_size, double eps, bool relu) {
   TORCH_CHECK(group_size >= 1 && devices % group_size == 0,
@@ -62,7 +61,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train(
 // The backward of batch_norm_train in one op, so that the Python backward registered with
 // torch.library.register_autograd makes a single call: dx (empty when not `input_grad`),
 // d(weight) and d(bias) summed over the statistic rows, in the statistics' dtype.
-std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward(
+std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward_composite(
     const Tensor& dy, const Tensor& x, const std::optional<Tensor>& weight,
     const std::optional<Tensor>& bias, const Tensor& mean, const Tensor& invstd, bool relu,
     bool input_grad) {
@@ -94,8 +93,6 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward(
   return {dx, sum_dy_xhat.sum(0), sum_dy.sum(0)};
 }
 
-}  // namespace
-
 TORCH_LIBRARY(syncbn_lab, m) {
   // Shapes: x (N, C, *spatial); `devices` equal slices along N; stats in float32
   // (float64 for float64 input). See README.md for the full contract of each op.
@@ -120,8 +117,8 @@ TORCH_LIBRARY(syncbn_lab, m) {
 }
 
 TORCH_LIBRARY_IMPL(syncbn_lab, CompositeExplicitAutograd, m) {
-  m.impl("batch_norm_train", &batch_norm_train);
-  m.impl("batch_norm_train_backward", &batch_norm_train_backward);
+  m.impl("batch_norm_train", &batch_norm_train_composite);
+  m.impl("batch_norm_train_backward", &batch_norm_train_backward_composite);
 }
 
 }  // namespace syncbn_lab

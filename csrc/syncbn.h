@@ -128,4 +128,15 @@ inline at::Tensor optional_param(const std::optional<at::Tensor>& p, const at::T
   return stat_as(*p, x, acc);
 }
 
+// The device-generic compositions of the primitives (syncbn.cpp), for kernels that take a
+// faster path only for some inputs.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_train_composite(
+    const at::Tensor& x, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, int64_t devices, int64_t group_size, double eps,
+    bool relu);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train_backward_composite(
+    const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& invstd,
+    bool relu, bool input_grad);
+
 }  // namespace syncbn_lab

@@ -295,22 +295,46 @@ inline A relu_of(A v) {
   return v < A(0) ? A(0) : v;  // NaN stays NaN, as torch.relu
 }
 
+// The elementwise kernels loop over many rows per call: a row can be as short as C values,
+// and a call through target_clones' resolver costs about as much as a short row.
+
+// `planes` runs of S values spaced `ld` apart, one set of coefficients.
 template <typename T, typename A, bool RELU>
-SYNCBN_CLONES void affine_plane(const T* __restrict__ x, T* __restrict__ y, int64_t len, A mean,
-                                A scale, A shift) {
-  for (int64_t s = 0; s < len; ++s) {
-    const A v = (static_cast<A>(x[s]) - mean) * scale + shift;
-    y[s] = static_cast<T>(RELU ? relu_of(v) : v);
+SYNCBN_CLONES void affine_planes(const T* __restrict__ x, T* __restrict__ y, int64_t planes,
+                                 int64_t S, int64_t ld, A mean, A scale, A shift) {
+  for (int64_t p = 0; p < planes; ++p) {
+    const T* __restrict__ xr = x + p * ld;
+    T* __restrict__ yr = y + p * ld;
+    for (int64_t s = 0; s < S; ++s) {
+      const A v = (static_cast<A>(xr[s]) - mean) * scale + shift;
+      yr[s] = static_cast<T>(RELU ? relu_of(v) : v);
+    }
   }
 }
 
+// `rows` consecutive rows of W values, coefficients per column.
 template <typename T, typename A, bool RELU>
-SYNCBN_CLONES void affine_row(const T* __restrict__ x, T* __restrict__ y, int64_t W,
-                              const A* __restrict__ mean, const A* __restrict__ scale,
-                              const A* __restrict__ shift) {
-  for (int64_t w = 0; w < W; ++w) {
-    const A v = (static_cast<A>(x[w]) - mean[w]) * scale[w] + shift[w];
-    y[w] = static_cast<T>(RELU ? relu_of(v) : v);
+SYNCBN_CLONES void affine_rows(const T* __restrict__ x, T* __restrict__ y, int64_t rows,
+                               int64_t W, const A* __restrict__ mean,
+                               const A* __restrict__ scale, const A* __restrict__ shift) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* __restrict__ xr = x + r * W;
+    T* __restrict__ yr = y + r * W;
+    for (int64_t w = 0; w < W; ++w) {
+      const A v = (static_cast<A>(xr[w]) - mean[w]) * scale[w] + shift[w];
+      yr[w] = static_cast<T>(RELU ? relu_of(v) : v);
+    }
+  }
+}
+
+// Calls f(slice, first_row, rows) for the runs of [begin, end) that stay within one slice.
+template <typename F>
+void for_slice_runs(int64_t begin, int64_t end, int64_t rows_per_slice, const F& f) {
+  for (int64_t r = begin; r < end;) {
+    const int64_t d = r / rows_per_slice;
+    const int64_t stop = std::min(end, (d + 1) * rows_per_slice);
+    f(d, r, stop - r);
+    r = stop;
   }
 }
 
@@ -348,13 +372,11 @@ void forward_loops(const Prepared& p, const Coefficients<A>& k, Tensor& y) {
   const Geometry& g = p.g;
   const int64_t C = g.C, S = g.S;
   if (use_planes(g, p.layout)) {
-    const int64_t grain = std::max<int64_t>(1, kElemGrain / S);
-    at::parallel_for(0, g.N * C, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t row = begin; row < end; ++row) {
-        const int64_t c = row % C, d = (row / C) / g.n;
-        const int64_t j = d * C + c;
-        affine_plane<scalar_t, A, RELU>(xp + row * S, yp + row * S, S, k.mean[j], k.scale[j],
-                                        k.shift[c]);
+    at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t c = i % C, off = ((i / C) * g.n * C + c) * S;
+        affine_planes<scalar_t, A, RELU>(xp + off, yp + off, g.n, S, C * S, k.mean[i],
+                                         k.scale[i], k.shift[c]);
       }
     });
     return;
@@ -377,11 +399,10 @@ void forward_loops(const Prepared& p, const Coefficients<A>& k, Tensor& y) {
   const int64_t rows = g.slices * plan.rows_per_slice;
   const int64_t grain = std::max<int64_t>(1, kElemGrain / std::max<int64_t>(W, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t d = r / plan.rows_per_slice;
-      affine_row<scalar_t, A, RELU>(xp + r * W, yp + r * W, W, mean.data() + d * W,
-                                    scale.data() + d * W, shift.data());
-    }
+    for_slice_runs(begin, end, plan.rows_per_slice, [&](int64_t d, int64_t r, int64_t count) {
+      affine_rows<scalar_t, A, RELU>(xp + r * W, yp + r * W, count, W, mean.data() + d * W,
+                                     scale.data() + d * W, shift.data());
+    });
   });
 }
 
@@ -529,26 +550,37 @@ std::tuple<Tensor, Tensor> backward_reduce_cpu(const Tensor& dy_in, const Tensor
 // dx = scale * dy' - kx * (x - mean) - k0, with kx = scale * invstd * sum_dy_xhat / m and
 // k0 = scale * sum_dy / m: the formula of docs/batchnorm.md regrouped per channel.
 template <typename T, typename A, bool RELU>
-SYNCBN_CLONES void dx_plane(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
-                            int64_t len, A mean, A scale, A shift, A kx, A k0) {
-  for (int64_t s = 0; s < len; ++s) {
-    const A xm = static_cast<A>(x[s]) - mean;
-    A g = static_cast<A>(dy[s]);
-    if (RELU) g = xm * scale + shift > A(0) ? g : A(0);
-    dx[s] = static_cast<T>(g * scale - kx * xm - k0);
+SYNCBN_CLONES void dx_planes(const T* __restrict__ dy, const T* __restrict__ x,
+                             T* __restrict__ dx, int64_t planes, int64_t S, int64_t ld, A mean,
+                             A scale, A shift, A kx, A k0) {
+  for (int64_t p = 0; p < planes; ++p) {
+    const T* __restrict__ xr = x + p * ld;
+    const T* __restrict__ gr = dy + p * ld;
+    T* __restrict__ outr = dx + p * ld;
+    for (int64_t s = 0; s < S; ++s) {
+      const A xm = static_cast<A>(xr[s]) - mean;
+      A g = static_cast<A>(gr[s]);
+      if (RELU) g = xm * scale + shift > A(0) ? g : A(0);
+      outr[s] = static_cast<T>(g * scale - kx * xm - k0);
+    }
   }
 }
 
 template <typename T, typename A, bool RELU>
-SYNCBN_CLONES void dx_row(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
-                          int64_t W, const A* __restrict__ mean, const A* __restrict__ scale,
-                          const A* __restrict__ shift, const A* __restrict__ kx,
-                          const A* __restrict__ k0) {
-  for (int64_t w = 0; w < W; ++w) {
-    const A xm = static_cast<A>(x[w]) - mean[w];
-    A g = static_cast<A>(dy[w]);
-    if (RELU) g = xm * scale[w] + shift[w] > A(0) ? g : A(0);
-    dx[w] = static_cast<T>(g * scale[w] - kx[w] * xm - k0[w]);
+SYNCBN_CLONES void dx_rows(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
+                           int64_t rows, int64_t W, const A* __restrict__ mean,
+                           const A* __restrict__ scale, const A* __restrict__ shift,
+                           const A* __restrict__ kx, const A* __restrict__ k0) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* __restrict__ xr = x + r * W;
+    const T* __restrict__ gr = dy + r * W;
+    T* __restrict__ outr = dx + r * W;
+    for (int64_t w = 0; w < W; ++w) {
+      const A xm = static_cast<A>(xr[w]) - mean[w];
+      A g = static_cast<A>(gr[w]);
+      if (RELU) g = xm * scale[w] + shift[w] > A(0) ? g : A(0);
+      outr[w] = static_cast<T>(g * scale[w] - kx[w] * xm - k0[w]);
+    }
   }
 }
 
@@ -561,13 +593,11 @@ void backward_elemt_loops(const Prepared& p, const Tensor& dy, const Coefficient
   const Geometry& g = p.g;
   const int64_t C = g.C, S = g.S;
   if (use_planes(g, p.layout)) {
-    const int64_t grain = std::max<int64_t>(1, kElemGrain / S);
-    at::parallel_for(0, g.N * C, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t row = begin; row < end; ++row) {
-        const int64_t c = row % C, d = (row / C) / g.n;
-        const int64_t j = d * C + c;
-        dx_plane<scalar_t, A, RELU>(gp + row * S, xp + row * S, op + row * S, S, k.mean[j],
-                                    k.scale[j], k.shift[c], kx[j], k0[j]);
+    at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t c = i % C, off = ((i / C) * g.n * C + c) * S;
+        dx_planes<scalar_t, A, RELU>(gp + off, xp + off, op + off, g.n, S, C * S, k.mean[i],
+                                     k.scale[i], k.shift[c], kx[i], k0[i]);
       }
     });
     return;
@@ -589,12 +619,11 @@ void backward_elemt_loops(const Prepared& p, const Tensor& dy, const Coefficient
   const int64_t rows = g.slices * plan.rows_per_slice;
   const int64_t grain = std::max<int64_t>(1, kElemGrain / std::max<int64_t>(W, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t d = r / plan.rows_per_slice;
-      dx_row<scalar_t, A, RELU>(gp + r * W, xp + r * W, op + r * W, W, mean.data() + d * W,
-                                scale.data() + d * W, shift.data(), ekx.data() + d * W,
-                                ek0.data() + d * W);
-    }
+    for_slice_runs(begin, end, plan.rows_per_slice, [&](int64_t d, int64_t r, int64_t count) {
+      dx_rows<scalar_t, A, RELU>(gp + r * W, xp + r * W, op + r * W, count, W,
+                                 mean.data() + d * W, scale.data() + d * W, shift.data(),
+                                 ekx.data() + d * W, ek0.data() + d * W);
+    });
   });
 }
 
@@ -643,6 +672,192 @@ Tensor backward_elemt_cpu(const Tensor& dy_in, const Tensor& x_in, const Tensor&
   return dx;
 }
 
+// ---------------------------------------------------------------------------------------
+// batch_norm_train and its backward. Planes shape: one task per (group, channel) reduces its
+// planes and then, while they are still in cache, writes y (or dx), which saves a pass over
+// x in the forward and over x and dy in the backward. Rows shape: the CPU primitives called
+// directly (same row chunks, so a thread's second pass finds its rows in its cache).
+// ---------------------------------------------------------------------------------------
+
+template <bool RELU, typename scalar_t, typename A>
+void fused_forward_planes(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                          const Geometry& g, double eps, Tensor& y, Tensor& mean, Tensor& var,
+                          Tensor& invstd) {
+  const scalar_t* xp = x.const_data_ptr<scalar_t>();
+  scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+  const A* wp = weight.defined() ? weight.const_data_ptr<A>() : nullptr;
+  const A* bp = bias.defined() ? bias.const_data_ptr<A>() : nullptr;
+  A* mp = mean.mutable_data_ptr<A>();
+  A* vp = var.mutable_data_ptr<A>();
+  A* ip = invstd.mutable_data_ptr<A>();
+  const int64_t C = g.C, S = g.S, n = g.n;
+  const A count = A(n * S);
+  at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
+    const int64_t block = std::min(S, kColumnBlock);
+    std::vector<A> pivots(block), cmean(block), cm2(block);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t d = i / C, c = i % C;
+      const int64_t off = (d * n * C + c) * S;
+      const A pivot = static_cast<A>(xp[off]);
+      std::fill(pivots.begin(), pivots.end(), pivot);
+      Welford<A> total;
+      for (int64_t s0 = 0; s0 < S; s0 += block) {
+        const int64_t W = std::min(block, S - s0);
+        std::fill_n(cmean.begin(), W, A(0));
+        std::fill_n(cm2.begin(), W, A(0));
+        welford_rows<scalar_t, A>(xp + off + s0, n, W, C * S, pivots.data(), cmean.data(),
+                                  cm2.data());
+        for (int64_t w = 0; w < W; ++w) total.merge(A(n), cmean[w], cm2[w]);
+      }
+      const A mu = pivot + total.mean;
+      const A v = total.m2 / std::max(count, A(1));
+      const A inv = A(1) / std::sqrt(v + static_cast<A>(eps));
+      mp[i] = mu;
+      vp[i] = v;
+      ip[i] = inv;
+      const A scale = wp ? wp[c] * inv : inv;  // as coefficients() computes it
+      const A shift = bp ? bp[c] : A(0);
+      affine_planes<scalar_t, A, RELU>(xp + off, yp + off, n, S, C * S, mu, scale, shift);
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train_cpu(
+    const Tensor& x_in, const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
+    int64_t devices, int64_t group_size, double eps, bool relu) {
+  TORCH_CHECK(group_size >= 1 && devices % group_size == 0,
+              "syncbn_lab::batch_norm_train: group_size must divide devices, got group_size=",
+              group_size, " and devices=", devices);
+  check_floating(x_in, "batch_norm_train");
+  geometry_of(x_in, devices, "batch_norm_train");  // the batch splits into `devices` slices
+  const Geometry g = geometry_of(x_in, devices / group_size, "batch_norm_train");
+  const Layout layout = layout_of(x_in);
+  if (!use_planes(g, layout) || x_in.numel() == 0) {
+    auto [count, mean, m2] = local_stats_cpu(x_in, g.slices);
+    Tensor var = at::empty_like(m2);
+    Tensor invstd = at::empty_like(m2);
+    AT_DISPATCH_FLOATING_TYPES(m2.scalar_type(), "batch_norm_train_cpu_finalize", [&] {
+      using A = scalar_t;
+      const A* m2p = m2.const_data_ptr<A>();
+      A* vp = var.mutable_data_ptr<A>();
+      A* ip = invstd.mutable_data_ptr<A>();
+      const A total = std::max(A(g.n * g.S), A(1));  // an empty slice has variance 0
+      for (int64_t i = 0; i < m2.numel(); ++i) {
+        vp[i] = m2p[i] / total;
+        ip[i] = A(1) / std::sqrt(vp[i] + static_cast<A>(eps));
+      }
+    });
+    Tensor y = forward_elemt_cpu(x_in, mean, invstd, weight, bias, relu);
+    return {y, mean, var, invstd};
+  }
+  const Tensor x = as_layout(x_in, layout);
+  const auto acc = acc_dtype(x.scalar_type());
+  const Tensor w = optional_param(weight, x, acc, "weight", "batch_norm_train");
+  const Tensor b = optional_param(bias, x, acc, "bias", "batch_norm_train");
+  Tensor y = empty_in_layout(x.sizes(), x.options(), layout);
+  const auto opts = x.options().dtype(acc);
+  Tensor mean = at::empty({g.slices, g.C}, opts);
+  Tensor var = at::empty({g.slices, g.C}, opts);
+  Tensor invstd = at::empty({g.slices, g.C}, opts);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(),
+                                  "batch_norm_train_cpu", [&] {
+    using A = typename AccOf<scalar_t>::type;
+    if (relu) {
+      fused_forward_planes<true, scalar_t, A>(x, w, b, g, eps, y, mean, var, invstd);
+    } else {
+      fused_forward_planes<false, scalar_t, A>(x, w, b, g, eps, y, mean, var, invstd);
+    }
+  });
+  return {y, mean, var, invstd};
+}
+
+template <bool RELU, typename scalar_t, typename A>
+void fused_backward_planes(const Prepared& p, const Tensor& dy, const Coefficients<A>& k,
+                           bool input_grad, Tensor& dx, A* sum_dy, A* sum_dy_xhat) {
+  const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
+  const scalar_t* gp = dy.const_data_ptr<scalar_t>();
+  scalar_t* op = input_grad ? dx.mutable_data_ptr<scalar_t>() : nullptr;
+  const Geometry& g = p.g;
+  const int64_t C = g.C, S = g.S, n = g.n;
+  const A inv_m = A(1) / A(n * S);
+  at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
+    const int64_t block = std::min(S, kColumnBlock);
+    std::vector<A> mean(block), scale(block), shift(block), sdy(block), sdyx(block);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t c = i % C;
+      const int64_t off = ((i / C) * n * C + c) * S;
+      std::fill(mean.begin(), mean.end(), k.mean[i]);
+      std::fill(scale.begin(), scale.end(), k.scale[i]);
+      std::fill(shift.begin(), shift.end(), k.shift[c]);
+      A total_dy = 0, total_dyx = 0;
+      for (int64_t s0 = 0; s0 < S; s0 += block) {
+        const int64_t W = std::min(block, S - s0);
+        std::fill_n(sdy.begin(), W, A(0));
+        std::fill_n(sdyx.begin(), W, A(0));
+        grad_sums_rows<scalar_t, A, RELU>(gp + off + s0, xp + off + s0, n, W, C * S,
+                                          mean.data(), scale.data(), shift.data(), sdy.data(),
+                                          sdyx.data());
+        for (int64_t w = 0; w < W; ++w) {
+          total_dy += sdy[w];
+          total_dyx += sdyx[w];
+        }
+      }
+      sum_dy[i] = total_dy;
+      sum_dy_xhat[i] = total_dyx * k.invstd[i];
+      if (!input_grad) continue;
+      // As backward_elemt_cpu: the same coefficients from the same sums.
+      const A kx = k.scale[i] * k.invstd[i] * sum_dy_xhat[i] * inv_m;
+      const A k0 = k.scale[i] * sum_dy[i] * inv_m;
+      dx_planes<scalar_t, A, RELU>(gp + off, xp + off, op + off, n, S, C * S, k.mean[i],
+                                   k.scale[i], k.shift[c], kx, k0);
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward_cpu(
+    const Tensor& dy_in, const Tensor& x_in, const std::optional<Tensor>& weight,
+    const std::optional<Tensor>& bias, const Tensor& mean, const Tensor& invstd, bool relu,
+    bool input_grad) {
+  TORCH_CHECK(mean.dim() == 2, "syncbn_lab::batch_norm_train_backward: mean must be (G, C)");
+  TORCH_CHECK(dy_in.sizes() == x_in.sizes() && dy_in.scalar_type() == x_in.scalar_type(),
+              "syncbn_lab::batch_norm_train_backward: dy must have the shape and dtype of x, "
+              "got ", dy_in.sizes(), " ", dy_in.scalar_type(), " and ", x_in.sizes(), " ",
+              x_in.scalar_type());
+  const Prepared p = prepare(x_in, mean, invstd, weight, bias, "batch_norm_train_backward");
+  if (!use_planes(p.g, p.layout) || x_in.numel() == 0) {
+    auto [sum_dy, sum_dy_xhat] = backward_reduce_cpu(dy_in, x_in, mean, invstd, weight, bias,
+                                                     relu);
+    Tensor dx = at::empty({0}, x_in.options());
+    if (input_grad) {
+      const Tensor count = at::scalar_tensor(static_cast<double>(p.g.n * p.g.S), sum_dy.options());
+      dx = backward_elemt_cpu(dy_in, x_in, mean, invstd, weight, bias, sum_dy, sum_dy_xhat,
+                              count, relu);
+    }
+    if (p.g.slices == 1) return {dx, sum_dy_xhat.view({-1}), sum_dy.view({-1})};
+    return {dx, sum_dy_xhat.sum(0), sum_dy.sum(0)};
+  }
+  const Tensor dy = as_layout(dy_in, p.layout);
+  Tensor dx = input_grad ? empty_in_layout(p.x.sizes(), p.x.options(), p.layout)
+                         : at::empty({0}, p.x.options());
+  const auto opts = p.x.options().dtype(p.acc);
+  Tensor sum_dy = at::empty({p.g.slices, p.g.C}, opts);
+  Tensor sum_dy_xhat = at::empty({p.g.slices, p.g.C}, opts);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.x.scalar_type(),
+                                  "batch_norm_train_backward_cpu", [&] {
+    using A = typename AccOf<scalar_t>::type;
+    const auto k = coefficients<A>(p.mean, p.invstd, p.weight, p.bias, p.g.slices, p.g.C);
+    A* s1 = sum_dy.mutable_data_ptr<A>();
+    A* s2 = sum_dy_xhat.mutable_data_ptr<A>();
+    if (relu) {
+      fused_backward_planes<true, scalar_t, A>(p, dy, k, input_grad, dx, s1, s2);
+    } else {
+      fused_backward_planes<false, scalar_t, A>(p, dy, k, input_grad, dx, s1, s2);
+    }
+  });
+  if (p.g.slices == 1) return {dx, sum_dy_xhat.view({-1}), sum_dy.view({-1})};
+  return {dx, sum_dy_xhat.sum(0), sum_dy.sum(0)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(syncbn_lab, CPU, m) {
@@ -651,6 +866,8 @@ TORCH_LIBRARY_IMPL(syncbn_lab, CPU, m) {
   m.impl("forward_elemt", &forward_elemt_cpu);
   m.impl("backward_reduce", &backward_reduce_cpu);
   m.impl("backward_elemt", &backward_elemt_cpu);
+  m.impl("batch_norm_train", &batch_norm_train_cpu);
+  m.impl("batch_norm_train_backward", &batch_norm_train_backward_cpu);
 }
 
 }  // namespace syncbn_lab

@@ -2,10 +2,13 @@
 
 CPU (always): forward + backward of one BN layer in training mode, float32, shapes
 (64,64,32,32) and (32,256,8,8), NCHW and channels_last, measured side by side in alternating
-rounds (median per call):
+rounds; the figure is the fastest round (other jobs on a shared machine only ever add time,
+so the minimum estimates the uncontended cost; --stat median reports medians instead):
   fused     = syncbn_lab.nn.ops.batch_norm_train + the running-stat update,
   torch_bn  = torch.nn.BatchNorm2d,
-  reference = syncbn_lab.nn.functional.batch_norm(impl="reference"), the plain-torch formulas.
+  reference = syncbn_lab.nn.functional.batch_norm(impl="reference"), the formulas in plain
+              torch ops with a hand-written backward (the specification of the kernels),
+  formula   = the same formulas with autograd through plain torch ops (for scale).
 Targets: fused <= 1.0x torch_bn, reference >= 3x fused.
 
 GPU (when a GPU and the CUDA kernels are present): fused vs cuDNN BatchNorm2d (target <= 1.1x),
@@ -13,7 +16,8 @@ the effective bandwidth of each kernel (bytes that must move / time) against a d
 of the same tensor (target >= 80 % on >= 256 MB), and BN+ReLU fused vs BN then ReLU
 (target >= 1.25x).
 
-    python scripts/bench_kernels.py [--rounds 15] [--threads N] [--no-gpu] [--json FILE]
+    python scripts/bench_kernels.py [--rounds 21] [--threads N] [--stat min|median]
+                                    [--no-cpu] [--no-gpu] [--json FILE]
 """
 
 from __future__ import annotations
@@ -66,6 +70,11 @@ class Layer:
     def torch_relu(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(self.torch_bn(x))
 
+    def formula(self, x: torch.Tensor) -> torch.Tensor:
+        var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0, keepdim=True)
+        y = (x - mean) * torch.rsqrt(var + EPS)
+        return y * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         from syncbn_lab.nn.functional import batch_norm
 
@@ -90,10 +99,14 @@ def fwd_bwd(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dy: tor
     return run
 
 
+STAT = {"min": min, "median": statistics.median}
+stat = min
+
+
 def time_side_by_side(
     runs: dict[str, Callable[[], None]], rounds: int, sync: Callable[[], None], inner: int = 1
 ) -> dict[str, float]:
-    """Median ms per call of each run, interleaved round by round so noise hits all alike."""
+    """ms per call of each run (min or median over rounds), interleaved round by round."""
     for run in runs.values():  # warm-up
         for _ in range(2):
             run()
@@ -107,14 +120,15 @@ def time_side_by_side(
                 run()
             sync()
             samples[name].append((time.perf_counter() - start) * 1e3 / inner)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return {name: stat(v) for name, v in samples.items()}
 
 
 def cpu_section(rounds: int, records: list[dict]) -> None:
-    print(f"\nCPU, float32, forward+backward, {torch.get_num_threads()} threads, median ms")
+    threads = torch.get_num_threads()
+    print(f"\nCPU, float32, forward+backward, {threads} threads, {stat.__name__} ms per call")
     header = (
         f"{'shape':>18} {'layout':>13} {'torch_bn':>9} {'fused':>8} {'reference':>10} "
-        f"{'fused/torch':>12} {'ref/fused':>10}"
+        f"{'formula':>8} {'fused/torch':>12} {'ref/fused':>10} {'formula/fused':>14}"
     )
     print(header)
     print("-" * len(header))
@@ -128,12 +142,14 @@ def cpu_section(rounds: int, records: list[dict]) -> None:
                 "torch_bn": fwd_bwd(layer.torch, x, dy),
                 "fused": fwd_bwd(layer.fused, x, dy),
                 "reference": fwd_bwd(layer.reference, x, dy),
+                "formula": fwd_bwd(layer.formula, x, dy),
             }
             ms = time_side_by_side(runs, rounds, lambda: None)
             print(
                 f"{str(shape):>18} {layout:>13} {ms['torch_bn']:9.2f} {ms['fused']:8.2f} "
-                f"{ms['reference']:10.2f} {ms['fused'] / ms['torch_bn']:11.2f}x "
-                f"{ms['reference'] / ms['fused']:9.2f}x"
+                f"{ms['reference']:10.2f} {ms['formula']:8.2f} "
+                f"{ms['fused'] / ms['torch_bn']:11.2f}x {ms['reference'] / ms['fused']:9.2f}x "
+                f"{ms['formula'] / ms['fused']:13.2f}x"
             )
             for impl, value in ms.items():
                 records.append(
@@ -192,7 +208,7 @@ def bandwidth_case(shape, layout: str, rounds: int) -> dict[str, tuple[float, in
 
 def gpu_section(rounds: int, records: list[dict]) -> None:
     name = torch.cuda.get_device_name()
-    print(f"\nGPU ({name}), forward+backward, median ms")
+    print(f"\nGPU ({name}), forward+backward, {stat.__name__} ms per call")
     header = (
         f"{'shape':>18} {'dtype':>9} {'layout':>13} {'cudnn_bn':>9} {'fused':>8} "
         f"{'fused/cudnn':>12} {'bn+relu':>8} {'fused_relu':>10} {'relu gain':>10}"
@@ -250,12 +266,15 @@ def gpu_section(rounds: int, records: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15, help="timed rounds per case")
+    parser.add_argument("--rounds", type=int, default=21, help="timed rounds per case")
+    parser.add_argument("--stat", choices=sorted(STAT), default="min", help="per-case statistic")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU section")
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU section")
     parser.add_argument("--json", default=None, help="write the records to this file")
     args = parser.parse_args(argv)
+    global stat
+    stat = STAT[args.stat]
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -277,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "machine": platform.machine(),
             "threads": torch.get_num_threads(),
+            "stat": args.stat,
             "gpu": torch.cuda.get_device_name() if gpu else None,
         }
         with open(args.json, "w") as f:
