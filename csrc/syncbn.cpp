@@ -32,6 +32,7 @@ using at::Tensor;
 std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train_composite(
     const Tensor& x, const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
     int64_t devices, int64_t group_size, double eps, bool relu) {
+  TORCH_CHECK(devices >= 1, "syncbn_lab::batch_norm_train: devices must be >= 1, got ", devices);
   TORCH_CHECK(group_size >= 1 && devices % group_size == 0,
               "syncbn_lab::batch_norm_train: group_size must divide devices, got group_size=",
               group_size, " and devices=", devices);

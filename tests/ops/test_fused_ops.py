@@ -258,6 +258,8 @@ def test_bad_arguments_raise_one_clear_line():
         ops.forward_elemt(x, torch.zeros(4), torch.ones(4))
     with pytest.raises(RuntimeError, match="group_size must divide devices"):
         ops.batch_norm_train(x, None, None, 3, 2, 1e-5, False)
+    with pytest.raises(RuntimeError, match="must be >= 1"):
+        ops.batch_norm_train(x, None, None, 0, 1, 1e-5, False)
     with pytest.raises(RuntimeError, match="float32, float64, float16 or bfloat16"):
         ops.local_stats(torch.ones(4, 3, dtype=torch.int64), 1)
 
