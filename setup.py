@@ -122,7 +122,6 @@ def extension_setup() -> dict:
             sources,
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
             extra_link_args=link_flags,
-            define_macros=[("SYNCBN_LAB_WITH_CUDA", "1")],
             py_limited_api=True,
         )
         archs = os.environ["TORCH_CUDA_ARCH_LIST"]
