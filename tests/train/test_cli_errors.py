@@ -80,3 +80,17 @@ def test_existing_run_dir_is_untouched(tmp_path):
     after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     assert before == after
     assert Path(run_dir / "summary.json").exists()
+
+
+def test_corrupt_data_file_is_one_line(tmp_path):
+    cache = tmp_path / "data" / "mnist" / "mnist.npz"
+    cache.parent.mkdir(parents=True)
+    cache.write_bytes(b"this is not an npz archive")
+    result = train(
+        "data=mnist",
+        f"data.root={tmp_path / 'data'}",
+        "logger=none",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    assert_one_line_error(result, str(cache), "delete")
+    assert cache.read_bytes() == b"this is not an npz archive"  # left for the user to inspect
