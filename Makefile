@@ -50,8 +50,11 @@ format: setup ## ruff format and autofix
 build-ext: setup ## Rebuild the C++/CUDA extension syncbn_lab._C in place
 	$(PIP) install --quiet --no-build-isolation --no-deps -e .
 
-bench: setup ## Run the benchmark scripts (prints tables; not tests)
+bench: setup ## Run every benchmark script (prints tables of side-by-side ratios; not tests)
 	$(PY) scripts/bench_train.py
+	$(PY) scripts/bench_syncbn.py
+	$(PY) scripts/bench_kernels.py
+	$(PY) scripts/bench_parallel.py
 
 clean: ## Remove build products (keeps .venv, data and runs)
 	rm -rf build dist src/*.egg-info src/syncbn_lab/*.so
