@@ -80,6 +80,7 @@ def test_report_tables_csv_and_plots(sweep):
     assert "| bn | 64 | 1 | 3 | +24.10 |" in text  # paired against devices=1, same seeds
     assert "23.6 % at 32" in text and "34.7 % at 2" in text
     assert "Real DDP against the emulation" in text and "| sync | 64 | 0 | 99.10 | 99.10 |" in text
+    assert "| 1.0e-06 | 1.0e-06 |" in text  # final and first-step relative loss gaps
     assert "SyncBN does not depend on the device count** — holds" in text
     for png in ("test_error_vs_per_device_batch.png", "train_loss_curves.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
