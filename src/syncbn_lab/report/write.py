@@ -74,7 +74,10 @@ def write_report(
     main = emulated_or_single or runs
     _write_csv(runs, out_dir / "results.csv")
     plots = _plots(main, out_dir)
-    (out_dir / "README.md").write_text(_markdown(main, ddp, title, plots, sweep_wall_time_s))
+    text = _markdown(main, ddp, title, plots, sweep_wall_time_s)
+    if (out_dir / NOTES).exists():
+        text += f"\nMore observations on this run, written by hand: [{NOTES}]({NOTES}).\n"
+    (out_dir / "README.md").write_text(text)
 
 
 def _write_csv(runs: list[Run], path: Path) -> None:
@@ -162,6 +165,10 @@ def _markdown(runs, ddp, title, plots, sweep_wall_time_s) -> str:
     return "\n".join(lines) + "\n"
 
 
+NOTES = "NOTES.md"
+"""Hand-written observations kept next to a report (not regenerated); linked when present."""
+
+
 def _ddp_section(emulated: list[Run], ddp: list[Run]) -> list[str]:
     twins = {(r["bn"], r["devices"], r["seed"]): r for r in emulated}
     lines = [
@@ -230,10 +237,25 @@ def _reading(runs, cells, batches) -> list[str]:
         loss = {
             b: mean_std([r["train_loss"] for r in cells.get(("bn", b), [])])[0] for b in bn_means
         }
+        ordered = [loss[b] for b in sorted(loss, reverse=True)]
+        monotone = all(a <= b for a, b in zip(ordered, ordered[1:], strict=False))
         lines.append(
             f"  Final training loss goes from {loss[largest]:.4f} at {largest} to "
-            f"{loss[smallest]:.4f} at {smallest} image(s) per device."
+            f"{loss[smallest]:.4f} at {smallest} image(s) per device"
+            + (
+                ", rising at every halving: BN converges more slowly as the per-device batch "
+                "shrinks."
+                if monotone
+                else "."
+            )
         )
+        above_one = [bn_means[b] for b in bn_means if b > 1]
+        if 1 in bn_means and len(above_one) > 1:
+            lines.append(
+                f"  Test error at 2 or more images per device stays within "
+                f"{max(above_one) - min(above_one):.2f} pp ({min(above_one):.2f}-"
+                f"{max(above_one):.2f} %); at 1 image per device it is {bn_means[1]:.2f} %."
+            )
         precise = {
             b: mean_std([r.test_error_precise_bn for r in cells.get(("bn", b), [])])[0]
             for b in bn_means
