@@ -284,6 +284,20 @@ def test_moderate_offset_stays_on_the_kernels(calls, config):
 
 
 @needs_ext
+def test_tiny_slices_of_a_synced_group_stay_on_the_kernels(calls):
+    """2-value slices: their own |mean| / std is heavy-tailed, but a synced group is checked
+    against its slices' average variance, so the kernels keep the call."""
+    steps = batches((16, C), steps=3, seed=3)
+    slices = [x.view(8, 2, C) for x, _ in steps]  # some slice alone would fail the guard:
+    ratios = [s.mean(1).abs() * torch.rsqrt(s.var(1, unbiased=False) + 1e-5) for s in slices]
+    assert max(float(r.max()) for r in ratios) > F._FUSED_MEAN_LIMIT
+    fused = run_layer(make_layer("sync", "fused", devices=8), steps)
+    assert set(calls) == REDUCED, calls
+    reference = run_layer(make_layer("sync", "reference", devices=8), steps)
+    assert_close_ratios(worst_ratios(fused, reference, 1e-5))
+
+
+@needs_ext
 @pytest.mark.parametrize("config", ["bn-d1", "bn-d2", "sync-d1"])
 def test_single_value_per_channel_raises(config):
     kind, devices, group_size, _ = CONFIGS[config]

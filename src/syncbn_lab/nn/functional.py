@@ -215,11 +215,10 @@ def _fused_batch_norm(
         return _fused_single_op(*args)
     _, mean, m2 = ops.local_stats(x.detach(), devices)  # per slice, float32 (fp64 for fp64)
     if x.dtype != torch.float64 and not torch.compiler.is_compiling():
-        # This process's part of each group: the mean of its slices' |mean| against its std.
-        n = _SliceShape(x, devices).n
-        local = _group_sum(_stats_payload(n, mean.double(), m2.double()), group_size)
-        _, _, var = _moments_from_payload(local)
-        mean_abs = _group_sum(mean.double().abs(), group_size) / group_size
+        # This process's part of each group: its slices' mean |mu_d| and mean variance.
+        groups, n = devices // group_size, _SliceShape(x, devices).n
+        mean_abs = mean.abs().view(groups, group_size, -1).mean(1)
+        var = m2.view(groups, group_size, -1).sum(1) / max(n * group_size, 1)
         if _fused_mean_too_coarse(mean_abs, torch.rsqrt(var + eps), x.dtype):
             return _reference_batch_norm(*args)  # same collectives: ranks may choose apart
     return _FusedBatchNormFunction.apply(
@@ -244,14 +243,15 @@ def _fused_mean_too_coarse(mean: Tensor, invstd: Tensor, dtype: torch.dtype) -> 
     would move xhat by more than 2**-20.
 
     Before a reduction each process checks its own part of a group (mean = the average |mu_d|
-    of its slices, invstd from the variance of their union): if every process passes, so does
-    the group (the union's variance is at least the count-weighted mean of the parts'), and
-    its rounded global mean and slice means move xhat by at most 2 * 2**-20. Not checked under
-    torch.compile, where a data-dependent branch would break the graph.
+    of its slices, invstd from the average of their variances): if every process passes, so
+    does the group, whose variance is at least the count-weighted average of its slices'
+    (Cauchy-Schwarz then bounds the weighted |mu_d| by 16 group standard deviations), and the
+    rounding of its global mean and of the slice means moves xhat by at most 2 * 2**-20. Not
+    checked under torch.compile, where a data-dependent branch would break the graph.
     """
-    if dtype == torch.float64 or torch.compiler.is_compiling():
+    if dtype == torch.float64 or mean.numel() == 0 or torch.compiler.is_compiling():
         return False
-    return bool((mean.abs() * invstd).gt(_FUSED_MEAN_LIMIT).any())
+    return (mean * invstd).abs_().max().item() > _FUSED_MEAN_LIMIT
 
 
 def _fused_single_op(
@@ -278,9 +278,8 @@ def _fused_single_op(
     if running_mean is not None and m > 0:
         # A tensor factor for momentum=None: float(num_batches_tracked) would break a graph.
         factor = momentum if momentum is not None else 1.0 / num_batches_tracked
-        with torch.no_grad():
-            mean, var = out.mean[0].double(), out.var[0].double()  # slice 0's statistics
-            _update_running_stats(running_mean, running_var, mean, var, m, factor)
+        with torch.no_grad():  # slice 0's statistics, as device 0's buffers survive
+            _update_running_stats(running_mean, running_var, out.mean[0], out.var[0], m, factor)
     return out.y
 
 
