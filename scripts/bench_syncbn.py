@@ -5,11 +5,14 @@ interleaved and the best of several repeats is kept, so background load hits all
 
     python scripts/bench_syncbn.py [--quick] [--json FILE] [--no-dist]
 
-Rows: torch.nn.BatchNorm2d (world size 1), this repository's reference SyncBatchNorm in one
-process (world size 1) and on 2 gloo ranks, each rank holding the full shape; at 2 ranks the
-per-device reference BatchNorm (same math, no collective) runs interleaved in the same job, so
-the difference between the two is the cost of synchronising, and their difference from the
-world-size-1 row is the two processes competing for the CPU. The byte table is the payload
+Rows: torch.nn.BatchNorm2d (world size 1), this repository's SyncBatchNorm with
+impl="reference" and impl="fused" (the C++ kernels of syncbn_lab._C; skipped when not built)
+in one process (world size 1) and on 2 gloo ranks, each rank holding the full shape; at 2 ranks
+the per-device BatchNorm of each impl (same math, no collective) runs interleaved in the same
+job, so the difference between the two is the cost of synchronising, and their difference from
+the world-size-1 row is the two processes competing for the CPU. Every row is the module path
+(forward + backward through BatchNorm/SyncBatchNorm), not the bare kernels
+(scripts/bench_kernels.py). The byte table is the payload
 per layer per training step that each rank hands to its collectives: ours is one all_reduce
 of 2C+1 float64 values forward and one of 2C float32 values backward, whatever the world size
 W; torch's
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from syncbn_lab.nn import BatchNorm, SyncBatchNorm
+from syncbn_lab.nn import BatchNorm, SyncBatchNorm, ops
 from syncbn_lab.testing import run_distributed
 
 SHAPES = [(64, 64, 32, 32), (32, 256, 8, 8)]
@@ -36,14 +39,22 @@ WORLD_SIZES = [2, 4, 8, 16, 32, 64]
 TORCH = "torch.nn.BatchNorm2d"
 REFERENCE = "reference"
 PER_DEVICE = "reference_per_device"  # same math without synchronisation: isolates its cost
+FUSED = "fused"
+FUSED_PER_DEVICE = "fused_per_device"
 
 
 def _layer(impl: str, channels: int) -> torch.nn.Module:
     if impl == TORCH:
         return torch.nn.BatchNorm2d(channels)
-    if impl == PER_DEVICE:
-        return BatchNorm(channels, impl="reference")
-    return SyncBatchNorm(channels, impl="reference")
+    kind = "fused" if impl.startswith(FUSED) else "reference"
+    if impl.endswith("_per_device"):
+        return BatchNorm(channels, impl=kind)
+    return SyncBatchNorm(channels, impl=kind)
+
+
+def _fused_impls(*impls: str) -> tuple[str, ...]:
+    """The fused rows when the extension is built, none otherwise."""
+    return impls if ops.available(warn=False) else ()
 
 
 def _inputs(shape, layout):
@@ -79,7 +90,8 @@ def local_records(iters: int, repeats: int) -> list[dict]:
     for shape in SHAPES:
         for layout in LAYOUTS:
             x, grad = _inputs(shape, layout)
-            layers = {impl: _layer(impl, shape[1]) for impl in (TORCH, REFERENCE)}
+            impls = (TORCH, REFERENCE, *_fused_impls(FUSED))
+            layers = {impl: _layer(impl, shape[1]) for impl in impls}
             best = dict.fromkeys(layers, float("inf"))
             for layer in layers.values():
                 _time_ms(layer, x, grad, 2)  # warm-up
@@ -97,7 +109,8 @@ def _distributed_worker(rank: int, world_size: int, iters: int, repeats: int) ->
     for shape in SHAPES:
         for layout in LAYOUTS:
             x, grad = _inputs(shape, layout)
-            layers = {impl: _layer(impl, shape[1]) for impl in (PER_DEVICE, REFERENCE)}
+            impls = (PER_DEVICE, REFERENCE, *_fused_impls(FUSED_PER_DEVICE, FUSED))
+            layers = {impl: _layer(impl, shape[1]) for impl in impls}
             best = dict.fromkeys(layers, float("inf"))
             for layer in layers.values():
                 _time_ms(layer, x, grad, 2)
@@ -129,16 +142,27 @@ def bytes_per_step(channels: int, world_size: int) -> dict[str, int]:
 
 
 def print_time_table(records: list[dict]) -> None:
-    base = {
-        (tuple(r["shape"]), r["layout"]): r["fwd_bwd_ms"] for r in records if r["impl"] == TORCH
-    }
-    print(f"{'impl':22} {'shape':18} {'layout':14} {'W':>2} {'fwd+bwd ms':>11} {'vs torch':>9}")
+    """One row per record; "vs torch": against torch.nn.BatchNorm2d at world size 1, "vs ref":
+    against the reference row of the same shape, layout and world size (per-device rows
+    against the per-device reference)."""
+
+    def key(r, impl):
+        return (impl, tuple(r["shape"]), r["layout"], r["world_size"])
+
+    ms = {key(r, r["impl"]): r["fwd_bwd_ms"] for r in records}
+    print(
+        f"{'impl':22} {'shape':18} {'layout':14} {'W':>2} {'fwd+bwd ms':>11} {'vs torch':>9} "
+        f"{'vs ref':>7}"
+    )
     for r in records:
-        ratio = r["fwd_bwd_ms"] / base[(tuple(r["shape"]), r["layout"])]
+        torch_ms = ms[(TORCH, tuple(r["shape"]), r["layout"], 1)]
+        reference = PER_DEVICE if r["impl"].endswith("_per_device") else REFERENCE
+        reference_ms = ms.get(key(r, reference))
+        vs_ref = f"{r['fwd_bwd_ms'] / reference_ms:>6.2f}x" if reference_ms else f"{'':>7}"
         shape = "x".join(map(str, r["shape"]))
         print(
             f"{r['impl']:22} {shape:18} {r['layout']:14} {r['world_size']:>2} "
-            f"{r['fwd_bwd_ms']:>11.2f} {ratio:>8.2f}x"
+            f"{r['fwd_bwd_ms']:>11.2f} {r['fwd_bwd_ms'] / torch_ms:>8.2f}x {vs_ref}"
         )
 
 

@@ -13,6 +13,12 @@ Real DDP (one slice per rank, a process group communicator) and the single-proce
 (D slices, a :class:`~syncbn_lab.nn.comm.LocalCommunicator`) run the same lines below; only
 the communicator differs.
 
+Two implementations share everything but the per-slice arithmetic (see :func:`_backend`):
+the reference below (plain torch ops, hand-written backward) and the fused kernels of
+``syncbn_lab._C`` (:mod:`syncbn_lab.nn.ops`). Both reduce the same payload through the same
+functions (:func:`_global_moments`, :func:`_reduce_grad_sums`), so a fused emulated run and a
+fused DDP run still differ only in the communicator.
+
 Notation used in comments (per channel): n = values per slice, m = values that share the
 statistics (the global count), K = per-slice pivot, t = x - K, mu = mean, M2 = sum((x - mu)^2),
 invstd = 1/sqrt(var + eps), xhat = (x - mu) * invstd, y = gamma * xhat + beta.
@@ -21,20 +27,31 @@ invstd = 1/sqrt(var + eps), xhat = (x - mu) * invstd, y = gamma * xhat + beta.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from syncbn_lab.nn import _ext, ops
 from syncbn_lab.nn.comm import Communicator
 
-__all__ = ["IMPLS", "batch_norm"]
+__all__ = ["IMPLS", "batch_norm", "fused_unavailable_reason"]
 
 IMPLS = ("auto", "reference", "fused")
-"""Accepted values of ``impl``. Everything runs the reference until fused kernels exist."""
+"""Accepted values of ``impl``: "reference" = the formulas below in torch ops; "fused" = the
+kernels of syncbn_lab._C in training (eval keeps the reference); "auto" = fused where the
+extension is built and supports the input, else the reference (says which once)."""
 
 _HALF_TYPES = (torch.float16, torch.bfloat16)
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+_FUSED_MEAN_LIMIT = 16.0
+"""Largest |mean| * invstd the fused kernels take. They hand the mean to their elementwise
+passes in float32, rounded by up to |mean| * 2**-24, which moves xhat by |mean| * invstd *
+2**-24: at most 2**-20 below this limit. Above it (mean 1e4 and std 0.1: 1e5) the call runs
+the reference, whose pivoted sums keep xhat exact."""
 
 
 def batch_norm(
@@ -108,11 +125,162 @@ def _backend(impl: str) -> Callable[..., Tensor]:
     """The single dispatch point from ``impl`` to an implementation of :func:`batch_norm`.
 
     Every implementation takes the positional arguments of :func:`_reference_batch_norm`.
+    "fused" and "auto" decide per call: eval (running statistics) always runs the reference.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown BatchNorm impl {impl!r}; choose one of {', '.join(IMPLS)}")
-    # "fused" runs the reference until the fused kernels are registered here.
-    return _reference_batch_norm
+    if impl == "reference":
+        return _reference_batch_norm
+    return _fused_batch_norm if impl == "fused" else _auto_batch_norm
+
+
+def fused_unavailable_reason(x: Tensor | None = None) -> str | None:
+    """Why the fused kernels cannot run (on ``x``, if given); ``None`` when they can."""
+    if not ops.available(warn=False):
+        return f"extension not built: {_ext.unavailable_reason()}"
+    if x is None:
+        return None
+    if x.dtype not in _FUSED_DTYPES:
+        return f"no fused kernels for {x.dtype} input"
+    if x.device.type == "cpu" or (x.device.type == "cuda" and _ext.has_cuda_kernels()):
+        return None
+    return f"no fused kernels for {x.device.type} tensors in this build"
+
+
+def check_fused_available() -> None:
+    """Raises the one-line error of impl="fused" when the extension is not built."""
+    reason = fused_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(
+            f"BatchNorm impl='fused' needs the syncbn_lab._C kernels ({reason}); build them "
+            "with `make build-ext`, or use impl='reference' (or 'auto')"
+        )
+
+
+_announced: set[str] = set()
+
+
+def _announce(choice: str) -> None:
+    """One warning line per distinct choice of impl="auto" (normally exactly one per process)."""
+    if choice in _announced or torch.compiler.is_compiling():  # Dynamo cannot trace warn
+        return
+    _announced.add(choice)
+    warnings.warn(f"syncbn_lab: bn impl auto -> {choice}", UserWarning, stacklevel=4)
+
+
+def _auto_batch_norm(x: Tensor, *args) -> Tensor:
+    training = args[5]
+    if not training:
+        return _reference_batch_norm(x, *args)
+    reason = fused_unavailable_reason(x)
+    if reason is None:
+        _announce("fused kernels (syncbn_lab._C)")
+        return _fused_batch_norm(x, *args)
+    _announce(f"reference ({reason})")
+    return _reference_batch_norm(x, *args)
+
+
+def _fused_batch_norm(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    num_batches_tracked: Tensor | None,
+    training: bool,
+    momentum: float | None,
+    eps: float,
+    devices: int,
+    group_size: int,
+    comm: Communicator | None,
+) -> Tensor:
+    """Training BN/SyncBN on the fused kernels; eval (running statistics) runs the reference.
+
+    Without a reduction across slices or ranks (per-device BN, or SyncBN over one slice in one
+    process) it is one differentiable op, ``syncbn_lab::batch_norm_train``, which
+    torch.compile sees whole. Otherwise the kernels compute each slice's statistics and the
+    elementwise passes, and the reduction in between is the reference's own.
+    """
+    args = (x, weight, bias, running_mean, running_var, num_batches_tracked, training)
+    args += (momentum, eps, devices, group_size, comm)
+    if not training:
+        return _reference_batch_norm(*args)
+    check_fused_available()
+    reason = fused_unavailable_reason(x)
+    if reason is not None:
+        raise RuntimeError(
+            f"BatchNorm impl='fused' cannot run here ({reason}); use impl='auto' or 'reference'"
+        )
+    if group_size == 1 and (comm is None or comm.world_size == 1):
+        return _fused_single_op(*args)
+    _, mean, m2 = ops.local_stats(x.detach(), devices)  # per slice, float32 (fp64 for fp64)
+    if x.dtype != torch.float64 and not torch.compiler.is_compiling():
+        # This process's part of each group: its slices' mean |mu_d| and mean variance.
+        groups, n = devices // group_size, _SliceShape(x, devices).n
+        mean_abs = mean.abs().view(groups, group_size, -1).mean(1)
+        var = m2.view(groups, group_size, -1).sum(1) / max(n * group_size, 1)
+        if _fused_mean_too_coarse(mean_abs, torch.rsqrt(var + eps), x.dtype):
+            return _reference_batch_norm(*args)  # same collectives: ranks may choose apart
+    return _FusedBatchNormFunction.apply(
+        x,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        num_batches_tracked,
+        momentum,
+        eps,
+        devices,
+        group_size,
+        comm,
+        mean,
+        m2,
+    )
+
+
+def _fused_mean_too_coarse(mean: Tensor, invstd: Tensor, dtype: torch.dtype) -> bool:
+    """True when |mean| * invstd > _FUSED_MEAN_LIMIT somewhere: the kernels' float32 mean
+    would move xhat by more than 2**-20.
+
+    Before a reduction each process checks its own part of a group (mean = the average |mu_d|
+    of its slices, invstd from the average of their variances): if every process passes, so
+    does the group, whose variance is at least the count-weighted average of its slices'
+    (Cauchy-Schwarz then bounds the weighted |mu_d| by 16 group standard deviations), and the
+    rounding of its global mean and of the slice means moves xhat by at most 2 * 2**-20. Not
+    checked under torch.compile, where a data-dependent branch would break the graph.
+    """
+    if dtype == torch.float64 or mean.numel() == 0 or torch.compiler.is_compiling():
+        return False
+    return (mean * invstd).abs_().max().item() > _FUSED_MEAN_LIMIT
+
+
+def _fused_single_op(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    num_batches_tracked: Tensor | None,
+    training: bool,
+    momentum: float | None,
+    eps: float,
+    devices: int,
+    group_size: int,
+    comm: Communicator | None,
+) -> Tensor:
+    """Every slice normalised with its own statistics by one op, no communication."""
+    m = _SliceShape(x, devices).n  # values per slice, each its own group
+    _check_count(m, x, devices, comm)
+    out = ops.batch_norm_train(x, weight, bias, devices, 1, eps, False)
+    if _fused_mean_too_coarse(out.mean, out.invstd, x.dtype):
+        args = (x, weight, bias, running_mean, running_var, num_batches_tracked, training)
+        return _reference_batch_norm(*args, momentum, eps, devices, group_size, comm)
+    if running_mean is not None and m > 0:
+        # A tensor factor for momentum=None: float(num_batches_tracked) would break a graph.
+        factor = momentum if momentum is not None else 1.0 / num_batches_tracked
+        with torch.no_grad():  # slice 0's statistics, as device 0's buffers survive
+            _update_running_stats(running_mean, running_var, out.mean[0], out.var[0], m, factor)
+    return out.y
 
 
 def _reference_batch_norm(
@@ -241,16 +409,10 @@ class _BatchNormFunction(torch.autograd.Function):
             sum_t = t.sum(shape.reduce)  # sum(t)
             sum_t2 = torch.mul(t, t, out=scratch).sum(shape.reduce)  # sum(t^2)
             mean, m2 = _slice_moments(pivot, sum_t, sum_t2, shape.n)
-            payload = _group_sum(_stats_payload(shape.n, mean, m2), group_size)
-            if comm is not None:
-                comm.all_reduce_sum(payload)  # the one forward collective: 2C+1 float64 values
-            count, mean, var = _moments_from_payload(payload)
-            m = _global_count(count, shape.n * group_size, comm)
-            _check_count(m, x, devices, comm)
-            if running_mean is not None and m > 0:
-                factor = momentum if momentum is not None else 1.0 / float(num_batches_tracked)
-                _update_running_stats(running_mean, running_var, mean[0], var[0], m, factor)
-            mean, var = _per_slice(mean, group_size), _per_slice(var, group_size)
+            mean, var, m = _global_moments(
+                mean, m2, shape.n, x, running_mean, running_var, num_batches_tracked,
+                momentum, devices, group_size, comm,
+            )  # fmt: skip
         else:
             pivot = running_mean.to(compute).unsqueeze(0)  # K = running mean: t = x - mu
             torch.sub(xs, shape.per_slice(pivot), out=t)
@@ -298,13 +460,7 @@ class _BatchNormFunction(torch.autograd.Function):
         gamma = weight.to(xhat.dtype).unsqueeze(0) if weight is not None else 1.0
         scale = ctx.invstd * gamma  # gamma * invstd, (D, C)
         if ctx.training:
-            payload = torch.cat(
-                [_group_sum(sum_dy, ctx.group_size), _group_sum(sum_dy_xhat, ctx.group_size)],
-                dim=1,
-            )
-            if ctx.comm is not None:
-                ctx.comm.all_reduce_sum(payload)  # the one backward collective: 2C values
-            sum_dy, sum_dy_xhat = _per_slice(payload, ctx.group_size).chunk(2, dim=1)
+            sum_dy, sum_dy_xhat = _reduce_grad_sums(sum_dy, sum_dy_xhat, ctx.group_size, ctx.comm)
             m = max(ctx.count, 1)
             # dx = gamma*invstd/m * (m*dy - sum(dy) - xhat*sum(dy*xhat)), evaluated as
             # dx = scale*dy - scale*sum(dy)/m - xhat * scale*sum(dy*xhat)/m, scale = gamma*invstd
@@ -318,6 +474,67 @@ class _BatchNormFunction(torch.autograd.Function):
 
 
 _NO_GRADS = (None,) * 9  # running_mean ... comm
+
+
+class _FusedBatchNormFunction(torch.autograd.Function):
+    """SyncBN (or BN over groups of slices) on the fused kernels around the shared reduction.
+
+    Forward: the slices' (mean, M2) from ``ops.local_stats`` -> :func:`_global_moments` (the
+    reference's payload and its one all_reduce) -> ``ops.forward_elemt``. Backward:
+    ``ops.backward_reduce`` per slice -> :func:`_reduce_grad_sums` (the one all_reduce) ->
+    ``ops.backward_elemt``. Statistics go to the kernels as (D, C) rows, one per slice.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        num_batches_tracked: Tensor | None,
+        momentum: float | None,
+        eps: float,
+        devices: int,
+        group_size: int,
+        comm: Communicator | None,
+        slice_mean: Tensor,
+        slice_m2: Tensor,
+    ) -> Tensor:
+        n = _SliceShape(x, devices).n
+        mean, var, m = _global_moments(
+            slice_mean.double(), slice_m2.double(), n, x, running_mean, running_var,
+            num_batches_tracked, momentum, devices, group_size, comm,
+        )  # fmt: skip
+        stats_dtype = slice_mean.dtype  # the kernels' float32 (float64 for float64 input)
+        invstd = torch.rsqrt(var + eps).to(stats_dtype)
+        mean = mean.to(stats_dtype)
+        y = ops.forward_elemt(x, mean, invstd, weight, bias, False)
+        ctx.save_for_backward(x, weight, bias, mean, invstd)
+        ctx.group_size, ctx.comm, ctx.count = group_size, comm, m
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y: Tensor):
+        x, weight, bias, mean, invstd = ctx.saved_tensors
+        need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
+        sum_dy, sum_dy_xhat = ops.backward_reduce(grad_y, x, mean, invstd, weight, bias, False)
+        # d_gamma and d_beta over this process's data only, as in the reference.
+        grad_weight = sum_dy_xhat.sum(0).to(weight.dtype) if need_weight else None
+        grad_bias = sum_dy.sum(0).to(bias.dtype) if need_bias else None
+        if not need_x:
+            return None, grad_weight, grad_bias, *_NO_FUSED_GRADS
+        sum_dy, sum_dy_xhat = _reduce_grad_sums(sum_dy, sum_dy_xhat, ctx.group_size, ctx.comm)
+        count = mean.new_full((1,), float(ctx.count))
+        grad_x = ops.backward_elemt(
+            grad_y, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count, False
+        )
+        return grad_x, grad_weight, grad_bias, *_NO_FUSED_GRADS
+
+
+_NO_FUSED_GRADS = (None,) * 10  # running_mean ... slice_m2
 
 
 class _SliceShape:
@@ -371,6 +588,44 @@ def _per_slice(per_group: Tensor, group_size: int) -> Tensor:
     return per_group if group_size == 1 else per_group.repeat_interleave(group_size, dim=0)
 
 
+def _global_moments(
+    mean: Tensor,
+    m2: Tensor,
+    n: int,
+    x: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    num_batches_tracked: Tensor | None,
+    momentum: float | None,
+    devices: int,
+    group_size: int,
+    comm: Communicator | None,
+) -> tuple[Tensor, Tensor, int]:
+    """Slices' float64 mean and M2 (D, C) -> each slice's group mean and biased variance (D, C)
+    and the count m: the payload, its one all_reduce, the count check, the running update."""
+    payload = _group_sum(_stats_payload(n, mean, m2), group_size)
+    if comm is not None:
+        comm.all_reduce_sum(payload)  # the one forward collective: 2C+1 float64 values
+    count, mean, var = _moments_from_payload(payload)
+    m = _global_count(count, n * group_size, comm)
+    _check_count(m, x, devices, comm)
+    if running_mean is not None and m > 0:
+        factor = momentum if momentum is not None else 1.0 / float(num_batches_tracked)
+        _update_running_stats(running_mean, running_var, mean[0], var[0], m, factor)
+    return _per_slice(mean, group_size), _per_slice(var, group_size), m
+
+
+def _reduce_grad_sums(
+    sum_dy: Tensor, sum_dy_xhat: Tensor, group_size: int, comm: Communicator | None
+) -> tuple[Tensor, Tensor]:
+    """Slices' sum(dy) and sum(dy*xhat) (D, C) -> their group's sums over slices and ranks."""
+    payload = torch.cat([_group_sum(sum_dy, group_size), _group_sum(sum_dy_xhat, group_size)], 1)
+    if comm is not None:
+        comm.all_reduce_sum(payload)  # the one backward collective: 2C values
+    sum_dy, sum_dy_xhat = _per_slice(payload, group_size).chunk(2, dim=1)
+    return sum_dy, sum_dy_xhat
+
+
 def _moments_from_payload(payload: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Reduced sums -> count (G,), mean and biased variance (G, C), all float64."""
     channels = (payload.shape[1] - 1) // 2
@@ -398,7 +653,12 @@ def _check_count(m: int, x: Tensor, devices: int, comm: Communicator | None) -> 
 
 
 def _update_running_stats(
-    running_mean: Tensor, running_var: Tensor, mean: Tensor, var: Tensor, m: int, factor: float
+    running_mean: Tensor,
+    running_var: Tensor,
+    mean: Tensor,
+    var: Tensor,
+    m: int,
+    factor: float | Tensor,
 ) -> None:
     """running <- (1 - factor) * running + factor * batch, with the unbiased variance."""
     unbiased_var = var * (m / (m - 1))  # var * m/(m-1), m = the global count

@@ -1,4 +1,9 @@
-"""BatchNorm (per device) and SyncBatchNorm (global batch) modules over the reference math."""
+"""BatchNorm (per device) and SyncBatchNorm (global batch) modules over ``functional``'s math.
+
+``impl`` picks the arithmetic of a training step: "reference" (torch ops), "fused" (the
+kernels of syncbn_lab._C) or "auto" (fused where built, else the reference; one warning line
+says which). Statistics, payloads and collectives are the same for all three.
+"""
 
 from __future__ import annotations
 
@@ -15,17 +20,23 @@ __all__ = ["BatchNorm", "SyncBatchNorm"]
 def _check_impl(impl: str) -> str:
     if impl not in F.IMPLS:
         raise ValueError(f"unknown BatchNorm impl {impl!r}; choose one of {', '.join(F.IMPLS)}")
+    if impl == "fused":
+        F.check_fused_available()  # at construction: the one-line error, before any training
     return impl
 
 
 class BatchNorm(_BatchNorm):
-    """Per-device BatchNorm for 2-D to 5-D input, through the reference of ``functional``.
+    """Per-device BatchNorm for 2-D to 5-D input, through ``functional.batch_norm``.
 
     Equal to ``torch.nn.BatchNorm1d/2d/3d`` with ``devices == 1``. With ``devices = D`` (set
     by the single-process emulation of D devices) the batch is D equal consecutive slices and
     each slice is normalised with its own statistics, exactly as D replicas under
     DataParallel or DDP would do; running statistics follow slice 0 (device 0's buffers are
     the ones that survive). State dict keys are those of ``torch.nn.BatchNorm2d``.
+
+    ``impl``: "auto" (default: the fused kernels when syncbn_lab._C is built and takes the
+    input, else the reference), "fused" (raises when the extension is missing) or "reference".
+    Eval mode always runs the reference.
     """
 
     devices: int
@@ -133,7 +144,11 @@ class SyncBatchNorm(BatchNorm):
         group_size: synchronise within consecutive groups of this many devices; exclusive
             with ``process_group``. The subgroups are created (collectively, on all ranks) at
             the first training step and cached.
-        impl: "auto" | "reference" | "fused"; today all run the reference implementation.
+        impl: "auto" | "reference" | "fused": who computes the per-slice statistics and the
+            elementwise passes in training (see :class:`BatchNorm`). The payloads and
+            collectives above are the same for all three. With "fused" in one process and
+            one slice per group it is a single op, so ``torch.compile(fullgraph=True)``
+            traces it without graph breaks.
     """
 
     def __init__(
