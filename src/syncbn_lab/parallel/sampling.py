@@ -78,7 +78,9 @@ def train_loader(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
-        persistent_workers=num_workers > 0,
+        # not persistent: workers start each epoch from the dataset after its set_epoch, so
+        # the augmentation of an epoch is the same with or without workers (and on resume)
+        persistent_workers=False,
         pin_memory=rt.device.type == "cuda",
     )
 
