@@ -170,7 +170,7 @@ class Trainer:
             window_images, window_time = 0, 0.0
             progress = _progress(self.steps_per_epoch, epoch, enabled=rt.is_main)
             batches = iter(self.loaders.train)
-            for _ in range(self.steps_per_epoch):
+            for step_in_epoch in range(self.steps_per_epoch):
                 if state.step >= self.total_steps:
                     break
                 t0 = time.perf_counter()  # data loading counts towards images/s
@@ -192,7 +192,7 @@ class Trainer:
                     reduced = rt.all_reduce_sum(window.clone())
                     record = {
                         "step": state.step,
-                        "epoch": epoch + (_ + 1) / self.steps_per_epoch,
+                        "epoch": epoch + (step_in_epoch + 1) / self.steps_per_epoch,
                         "lr": lr,
                         "train/loss": (reduced[0] / reduced[2]).item(),
                         "train/acc": (100 * reduced[1] / reduced[2]).item(),
