@@ -63,6 +63,8 @@ def main() -> None:
     if sweep_dir.exists() and any(sweep_dir.iterdir()):
         sys.exit(f"error: {sweep_dir} already holds a sweep; pass a new --sweep-dir")
     base = [f"parallel={args.parallel}", *(SMOKE if args.smoke else []), *args.overrides]
+    if not args.smoke and not any(o.startswith(("logger=", "logger.group=")) for o in base):
+        base.append(f"logger.group={name}-{stamp}")  # one W&B group per sweep
     gn_seeds = "trainer.seed=0" if args.smoke else "trainer.seed=0,1,2"
 
     start = time.perf_counter()
