@@ -62,3 +62,16 @@ def processes_with_env(marker: str) -> list[int]:
         if marker.encode() in environ and alive(int(entry.name)):
             found.append(int(entry.name))
     return found
+
+
+def assert_running_stats_are_population_stats(model, captured) -> None:
+    """Every BN layer's running statistics equal the (unbiased) variance and the mean of all
+    inputs captured for it: what PreciseBN must recompute."""
+    import torch
+
+    layers = dict(model.named_modules())
+    for name, inputs in captured.items():
+        values = torch.cat(inputs).double().transpose(0, 1).reshape(inputs[0].shape[1], -1)
+        var, mean = torch.var_mean(values, dim=1)
+        torch.testing.assert_close(layers[name].running_mean.double(), mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(layers[name].running_var.double(), var, rtol=1e-5, atol=1e-6)

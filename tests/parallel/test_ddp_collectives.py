@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from conftest import TINY, compose_config
 from omegaconf import OmegaConf
+from parallel_helpers import assert_running_stats_are_population_stats
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -164,12 +165,7 @@ def case_precise_bn(rt: Runtime, bn_cfg) -> None:
                     reference(batches[r][i][0])
     for h in hooks:
         h.remove()
-    layers = dict(model.named_modules())
-    for name, inputs in captured.items():
-        values = torch.cat(inputs).double().transpose(0, 1).reshape(inputs[0].shape[1], -1)
-        var, mean = torch.var_mean(values, dim=1)
-        torch.testing.assert_close(layers[name].running_mean.double(), mean, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(layers[name].running_var.double(), var, rtol=1e-5, atol=1e-6)
+    assert_running_stats_are_population_stats(model, captured)
 
 
 CASES = {

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TINY, compose_config
 from omegaconf import OmegaConf
-from parallel_helpers import assert_same_run
+from parallel_helpers import assert_running_stats_are_population_stats, assert_same_run
 from torch import nn
 
 from syncbn_lab import models
@@ -240,12 +240,7 @@ def test_precise_bn_equals_population_statistics(bn_cfg, devices):
                     reference(x[d * per_device : (d + 1) * per_device])
     for h in hooks:
         h.remove()
-    layers = dict(model.named_modules())
-    for name, inputs in captured.items():
-        values = torch.cat(inputs).double().transpose(0, 1).reshape(inputs[0].shape[1], -1)
-        var, mean = torch.var_mean(values, dim=1)
-        torch.testing.assert_close(layers[name].running_mean.double(), mean, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(layers[name].running_var.double(), var, rtol=1e-5, atol=1e-6)
+    assert_running_stats_are_population_stats(model, captured)
     for p, before in zip(model.parameters(), params, strict=True):
         assert torch.equal(p, before)
     after = [m.num_batches_tracked for m in model.modules() if hasattr(m, "num_batches_tracked")]
