@@ -69,9 +69,9 @@ struct Welford {
   }
 };
 
-// Column-wise Welford over `rows` rows of W values spaced `ld` apart, of x - pivot[w];
-// mean and m2 start at zero.
-template <typename T, typename A>
+// Column-wise Welford over `rows` rows of W values spaced `ld` apart, of x - pivot[w]
+// (SHARED: of x - pivot[0], one pivot for all columns); mean and m2 start at zero.
+template <typename T, typename A, bool SHARED = false>
 SYNCBN_CLONES void welford_rows(const T* __restrict__ x, int64_t rows, int64_t W, int64_t ld,
                                 const A* __restrict__ pivot, A* __restrict__ mean,
                                 A* __restrict__ m2) {
@@ -79,12 +79,50 @@ SYNCBN_CLONES void welford_rows(const T* __restrict__ x, int64_t rows, int64_t W
     const A rc = A(1) / A(r + 1);
     const T* __restrict__ row = x + r * ld;
     for (int64_t w = 0; w < W; ++w) {
-      const A v = static_cast<A>(row[w]) - pivot[w];
+      const A v = static_cast<A>(row[w]) - pivot[SHARED ? 0 : w];
       const A d = v - mean[w];
       mean[w] += d * rc;
       m2[w] += d * (v - mean[w]);
     }
   }
+}
+
+// Sum of v[0, W) in 16 interleaved partial sums, so that it vectorises (a single running
+// sum is a chain of dependent additions the compiler may not reorder).
+template <typename A>
+SYNCBN_CLONES A lane_sum(const A* __restrict__ v, int64_t W) {
+  A lanes[16] = {};
+  int64_t w = 0;
+  for (; w + 16 <= W; w += 16) {
+    for (int j = 0; j < 16; ++j) lanes[j] += v[w + j];
+  }
+  for (int j = 0; w < W; ++w, ++j) lanes[j] += v[w];
+  A total = 0;
+  for (int j = 0; j < 16; ++j) total += lanes[j];
+  return total;
+}
+
+// Sum of (v[w] - mu)^2 over [0, W), vectorised as lane_sum.
+template <typename A>
+SYNCBN_CLONES A lane_spread(const A* __restrict__ v, int64_t W, A mu) {
+  A lanes[16] = {};
+  int64_t w = 0;
+  for (; w + 16 <= W; w += 16) {
+    for (int j = 0; j < 16; ++j) lanes[j] += (v[w + j] - mu) * (v[w + j] - mu);
+  }
+  for (int j = 0; w < W; ++w, ++j) lanes[j] += (v[w] - mu) * (v[w] - mu);
+  A total = 0;
+  for (int j = 0; j < 16; ++j) total += lanes[j];
+  return total;
+}
+
+// Merges W columns of statistics that each hold n values into `total`: Chan's formula for
+// equal counts, i.e. the mean of the column means, and the columns' m2 plus n times the
+// spread of their means around it (two vectorised passes instead of W divisions).
+template <typename A>
+void merge_columns(Welford<A>& total, A n, const A* mean, const A* m2, int64_t W) {
+  const A mu = lane_sum(mean, W) / A(W);
+  total.merge(n * A(W), mu, lane_sum(m2, W) + n * lane_spread(mean, W, mu));
 }
 
 // How the rows of one slice are cut into chunks for the row loops.
@@ -133,20 +171,19 @@ std::tuple<Tensor, Tensor, Tensor> local_stats_cpu(const Tensor& x_in, int64_t d
     if (use_planes(g, layout)) {
       at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
         const int64_t block = std::min(S, kColumnBlock);
-        std::vector<A> pivots(block), cmean(block), cm2(block);
+        std::vector<A> cmean(block), cm2(block);
         for (int64_t i = begin; i < end; ++i) {
           const int64_t d = i / C, c = i % C;
           const scalar_t* base = xp + (d * n * C + c) * S;
           const A pivot = static_cast<A>(base[0]);
-          std::fill(pivots.begin(), pivots.end(), pivot);
           Welford<A> total;
           for (int64_t s0 = 0; s0 < S; s0 += block) {
             const int64_t W = std::min(block, S - s0);
             std::fill_n(cmean.begin(), W, A(0));
             std::fill_n(cm2.begin(), W, A(0));
-            welford_rows<scalar_t, A>(base + s0, n, W, C * S, pivots.data(), cmean.data(),
-                                      cm2.data());
-            for (int64_t w = 0; w < W; ++w) total.merge(A(n), cmean[w], cm2[w]);
+            welford_rows<scalar_t, A, true>(base + s0, n, W, C * S, &pivot, cmean.data(),
+                                            cm2.data());
+            merge_columns(total, A(n), cmean.data(), cm2.data(), W);
           }
           mp[i] = pivot + total.mean;
           m2p[i] = total.m2;
@@ -312,14 +349,14 @@ SYNCBN_CLONES void affine_planes(const T* __restrict__ x, T* __restrict__ y, int
   }
 }
 
-// `rows` consecutive rows of W values, coefficients per column.
+// `rows` rows of W values spaced `ld` apart, coefficients per column.
 template <typename T, typename A, bool RELU>
 SYNCBN_CLONES void affine_rows(const T* __restrict__ x, T* __restrict__ y, int64_t rows,
-                               int64_t W, const A* __restrict__ mean,
+                               int64_t W, int64_t ld, const A* __restrict__ mean,
                                const A* __restrict__ scale, const A* __restrict__ shift) {
   for (int64_t r = 0; r < rows; ++r) {
-    const T* __restrict__ xr = x + r * W;
-    T* __restrict__ yr = y + r * W;
+    const T* __restrict__ xr = x + r * ld;
+    T* __restrict__ yr = y + r * ld;
     for (int64_t w = 0; w < W; ++w) {
       const A v = (static_cast<A>(xr[w]) - mean[w]) * scale[w] + shift[w];
       yr[w] = static_cast<T>(RELU ? relu_of(v) : v);
@@ -400,7 +437,7 @@ void forward_loops(const Prepared& p, const Coefficients<A>& k, Tensor& y) {
   const int64_t grain = std::max<int64_t>(1, kElemGrain / std::max<int64_t>(W, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for_slice_runs(begin, end, plan.rows_per_slice, [&](int64_t d, int64_t r, int64_t count) {
-      affine_rows<scalar_t, A, RELU>(xp + r * W, yp + r * W, count, W, mean.data() + d * W,
+      affine_rows<scalar_t, A, RELU>(xp + r * W, yp + r * W, count, W, W, mean.data() + d * W,
                                      scale.data() + d * W, shift.data());
     });
   });
@@ -429,7 +466,9 @@ Tensor forward_elemt_cpu(const Tensor& x_in, const Tensor& mean, const Tensor& i
 // Backward: sums of dy' and dy' * (x - mean), then dx
 // ---------------------------------------------------------------------------------------
 
-template <typename T, typename A, bool RELU>
+// Column-wise sums of dy' and dy' * (x - mean) over `rows` rows of W values spaced `ld`
+// apart, added to sdy and sdyx; coefficients per column (SHARED: element 0 for all).
+template <typename T, typename A, bool RELU, bool SHARED = false>
 SYNCBN_CLONES void grad_sums_rows(const T* __restrict__ dy, const T* __restrict__ x, int64_t rows,
                                   int64_t W, int64_t ld, const A* __restrict__ mean,
                                   const A* __restrict__ scale, const A* __restrict__ shift,
@@ -438,9 +477,10 @@ SYNCBN_CLONES void grad_sums_rows(const T* __restrict__ dy, const T* __restrict_
     const T* __restrict__ xr = x + r * ld;
     const T* __restrict__ gr = dy + r * ld;
     for (int64_t w = 0; w < W; ++w) {
-      const A xm = static_cast<A>(xr[w]) - mean[w];
+      const int64_t k = SHARED ? 0 : w;
+      const A xm = static_cast<A>(xr[w]) - mean[k];
       A g = static_cast<A>(gr[w]);
-      if (RELU) g = xm * scale[w] + shift[w] > A(0) ? g : A(0);
+      if (RELU) g = xm * scale[k] + shift[k] > A(0) ? g : A(0);
       sdy[w] += g;
       sdyx[w] += g * xm;
     }
@@ -457,25 +497,20 @@ void backward_reduce_loops(const Prepared& p, const Tensor& dy, const Coefficien
   if (use_planes(g, p.layout)) {
     at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
       const int64_t block = std::min(S, kColumnBlock);
-      std::vector<A> mean(block), scale(block), shift(block), sdy(block), sdyx(block);
+      std::vector<A> sdy(block), sdyx(block);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t d = i / C, c = i % C;
         const int64_t off = (d * n * C + c) * S;
-        std::fill(mean.begin(), mean.end(), k.mean[i]);
-        std::fill(scale.begin(), scale.end(), k.scale[i]);
-        std::fill(shift.begin(), shift.end(), k.shift[c]);
         A total_dy = 0, total_dyx = 0;
         for (int64_t s0 = 0; s0 < S; s0 += block) {
           const int64_t W = std::min(block, S - s0);
           std::fill_n(sdy.begin(), W, A(0));
           std::fill_n(sdyx.begin(), W, A(0));
-          grad_sums_rows<scalar_t, A, RELU>(gp + off + s0, xp + off + s0, n, W, C * S,
-                                            mean.data(), scale.data(), shift.data(), sdy.data(),
-                                            sdyx.data());
-          for (int64_t w = 0; w < W; ++w) {
-            total_dy += sdy[w];
-            total_dyx += sdyx[w];
-          }
+          grad_sums_rows<scalar_t, A, RELU, true>(gp + off + s0, xp + off + s0, n, W, C * S,
+                                                  &k.mean[i], &k.scale[i], &k.shift[c],
+                                                  sdy.data(), sdyx.data());
+          total_dy += lane_sum(sdy.data(), W);
+          total_dyx += lane_sum(sdyx.data(), W);
         }
         sum_dy[i] = total_dy;
         sum_dy_xhat[i] = total_dyx * k.invstd[i];
@@ -568,13 +603,13 @@ SYNCBN_CLONES void dx_planes(const T* __restrict__ dy, const T* __restrict__ x,
 
 template <typename T, typename A, bool RELU>
 SYNCBN_CLONES void dx_rows(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
-                           int64_t rows, int64_t W, const A* __restrict__ mean,
+                           int64_t rows, int64_t W, int64_t ld, const A* __restrict__ mean,
                            const A* __restrict__ scale, const A* __restrict__ shift,
                            const A* __restrict__ kx, const A* __restrict__ k0) {
   for (int64_t r = 0; r < rows; ++r) {
-    const T* __restrict__ xr = x + r * W;
-    const T* __restrict__ gr = dy + r * W;
-    T* __restrict__ outr = dx + r * W;
+    const T* __restrict__ xr = x + r * ld;
+    const T* __restrict__ gr = dy + r * ld;
+    T* __restrict__ outr = dx + r * ld;
     for (int64_t w = 0; w < W; ++w) {
       const A xm = static_cast<A>(xr[w]) - mean[w];
       A g = static_cast<A>(gr[w]);
@@ -620,7 +655,7 @@ void backward_elemt_loops(const Prepared& p, const Tensor& dy, const Coefficient
   const int64_t grain = std::max<int64_t>(1, kElemGrain / std::max<int64_t>(W, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for_slice_runs(begin, end, plan.rows_per_slice, [&](int64_t d, int64_t r, int64_t count) {
-      dx_rows<scalar_t, A, RELU>(gp + r * W, xp + r * W, op + r * W, count, W,
+      dx_rows<scalar_t, A, RELU>(gp + r * W, xp + r * W, op + r * W, count, W, W,
                                  mean.data() + d * W, scale.data() + d * W, shift.data(),
                                  ekx.data() + d * W, ek0.data() + d * W);
     });
@@ -673,11 +708,145 @@ Tensor backward_elemt_cpu(const Tensor& dy_in, const Tensor& x_in, const Tensor&
 }
 
 // ---------------------------------------------------------------------------------------
-// batch_norm_train and its backward. Planes shape: one task per (group, channel) reduces its
-// planes and then, while they are still in cache, writes y (or dx), which saves a pass over
-// x in the forward and over x and dy in the backward. Rows shape: the CPU primitives called
-// directly (same row chunks, so a thread's second pass finds its rows in its cache).
+// batch_norm_train and its backward: single pass from memory. Each task reduces one piece of
+// the input and then, while it is still in cache, writes y (or dx), which saves a pass over
+// x in the forward and over x and dy in the backward.
+//   planes: one task per (group, channel).
+//   rows:   one task per (group, block of whole channels) when the group's rows fit in
+//           kBlockBytes (see block_width); otherwise the CPU primitives are called one
+//           after the other (same row chunks, so a thread's second pass finds some of its
+//           rows in its cache).
 // ---------------------------------------------------------------------------------------
+
+constexpr int64_t kBlockBytes = 1 << 20;  // input bytes of a single-pass rows group (in L2)
+
+// Columns per block of the single-pass rows loops, 0 when they do not apply. A block is
+// whole rows of a group (narrower blocks read each row in pieces a row apart, which the
+// hardware prefetchers follow badly: measured slower than two passes), so the group's
+// rows of all `inputs` tensors must fit in kBlockBytes; with several threads the rows are
+// cut into blocks of whole channels, at least a cache line wide, one per task.
+int64_t block_width(const RowPlan& plan, int64_t per, int64_t slices, int64_t element_size,
+                    int64_t inputs) {
+  const int64_t W = plan.W;
+  if (W == 0 || plan.rows_per_slice * W * element_size * inputs > kBlockBytes) return 0;
+  const int64_t line = std::max<int64_t>(1, 64 / element_size);
+  const int64_t narrowest = std::min(W, per * ((line + per - 1) / per));
+  const int64_t blocks_wanted = (2 * at::get_num_threads() + slices - 1) / slices;
+  const int64_t width = (W + blocks_wanted - 1) / blocks_wanted;
+  return std::max(narrowest, width / per * per);
+}
+
+// Where the single-pass forwards write their statistics, and the one place that turns a
+// group's (mean, m2) into var, invstd and the affine coefficients of y.
+template <typename A>
+struct ForwardStats {
+  const A* weight;  // null: 1
+  const A* bias;    // null: 0
+  A *mean, *var, *invstd;
+  A count, eps;
+
+  ForwardStats(const Tensor& w, const Tensor& b, Tensor& mean_out, Tensor& var_out,
+               Tensor& invstd_out, int64_t values, double epsilon)
+      : weight(w.defined() ? w.const_data_ptr<A>() : nullptr),
+        bias(b.defined() ? b.const_data_ptr<A>() : nullptr),
+        mean(mean_out.mutable_data_ptr<A>()),
+        var(var_out.mutable_data_ptr<A>()),
+        invstd(invstd_out.mutable_data_ptr<A>()),
+        count(std::max(A(values), A(1))),  // an empty group has variance 0
+        eps(static_cast<A>(epsilon)) {}
+
+  // Stores row i (channel c) and returns its scale; the shift is shift_of(c).
+  A finish(int64_t i, int64_t c, A mu, A m2) const {
+    const A v = m2 / count;
+    const A inv = A(1) / std::sqrt(v + eps);
+    mean[i] = mu;
+    var[i] = v;
+    invstd[i] = inv;
+    return weight ? weight[c] * inv : inv;  // as coefficients() computes it
+  }
+  A shift_of(int64_t c) const { return bias ? bias[c] : A(0); }
+};
+
+template <bool RELU, typename scalar_t, typename A>
+void fused_forward_rows(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                        const Geometry& g, const RowPlan& plan, int64_t width, double eps,
+                        Tensor& y, Tensor& mean, Tensor& var, Tensor& invstd) {
+  const scalar_t* xp = x.const_data_ptr<scalar_t>();
+  scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+  const int64_t C = g.C, W = plan.W, per = W / C, rows = plan.rows_per_slice;
+  const int64_t blocks = (W + width - 1) / width;
+  const ForwardStats<A> out(weight, bias, mean, var, invstd, rows * per, eps);
+  at::parallel_for(0, g.slices * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> pivots(width), cmean(width), cm2(width), scale(width), shift(width);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t d = task / blocks, w0 = (task % blocks) * width;
+      const int64_t B = std::min(width, W - w0);
+      const int64_t off = d * rows * W + w0;
+      // The pivot of a channel is its first value in the group, as in local_stats_cpu.
+      for (int64_t w = 0; w < B; ++w) pivots[w] = static_cast<A>(xp[off + (w / per) * per]);
+      std::fill_n(cmean.begin(), B, A(0));
+      std::fill_n(cm2.begin(), B, A(0));
+      welford_rows<scalar_t, A>(xp + off, rows, B, W, pivots.data(), cmean.data(), cm2.data());
+      for (int64_t w = 0; w < B; w += per) {
+        const int64_t c = (w0 + w) / per, i = d * C + c;
+        Welford<A> total;
+        for (int64_t v = 0; v < per; ++v) total.merge(A(rows), cmean[w + v], cm2[w + v]);
+        const A mu = pivots[w] + total.mean;
+        std::fill_n(scale.begin() + w, per, out.finish(i, c, mu, total.m2));
+        std::fill_n(cmean.begin() + w, per, mu);
+        std::fill_n(shift.begin() + w, per, out.shift_of(c));
+      }
+      affine_rows<scalar_t, A, RELU>(xp + off, yp + off, rows, B, W, cmean.data(), scale.data(),
+                                     shift.data());
+    }
+  });
+}
+
+template <bool RELU, typename scalar_t, typename A>
+void fused_backward_rows(const Prepared& p, const Tensor& dy, const Coefficients<A>& k,
+                         const RowPlan& plan, int64_t width, bool input_grad, Tensor& dx,
+                         A* sum_dy, A* sum_dy_xhat) {
+  const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
+  const scalar_t* gp = dy.const_data_ptr<scalar_t>();
+  scalar_t* op = input_grad ? dx.mutable_data_ptr<scalar_t>() : nullptr;
+  const int64_t C = p.g.C, W = plan.W, per = W / C, rows = plan.rows_per_slice;
+  const int64_t blocks = (W + width - 1) / width;
+  const A inv_m = A(1) / A(rows * per);
+  at::parallel_for(0, p.g.slices * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> mean(width), scale(width), shift(width), sdy(width), sdyx(width);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t d = task / blocks, w0 = (task % blocks) * width;
+      const int64_t B = std::min(width, W - w0);
+      const int64_t off = d * rows * W + w0;
+      for (int64_t w = 0; w < B; ++w) {
+        const int64_t c = (w0 + w) / per;
+        mean[w] = k.mean[d * C + c];
+        scale[w] = k.scale[d * C + c];
+        shift[w] = k.shift[c];
+      }
+      std::fill_n(sdy.begin(), B, A(0));
+      std::fill_n(sdyx.begin(), B, A(0));
+      grad_sums_rows<scalar_t, A, RELU>(gp + off, xp + off, rows, B, W, mean.data(),
+                                        scale.data(), shift.data(), sdy.data(), sdyx.data());
+      for (int64_t w = 0; w < B; w += per) {
+        const int64_t i = d * C + (w0 + w) / per;
+        A a = 0, b = 0;
+        for (int64_t v = 0; v < per; ++v) {
+          a += sdy[w + v];
+          b += sdyx[w + v];
+        }
+        sum_dy[i] = a;
+        sum_dy_xhat[i] = b * k.invstd[i];
+        // As backward_elemt_cpu: the same coefficients from the same sums.
+        std::fill_n(sdyx.begin() + w, per, k.scale[i] * k.invstd[i] * sum_dy_xhat[i] * inv_m);
+        std::fill_n(sdy.begin() + w, per, k.scale[i] * sum_dy[i] * inv_m);
+      }
+      if (!input_grad) continue;
+      dx_rows<scalar_t, A, RELU>(gp + off, xp + off, op + off, rows, B, W, mean.data(),
+                                 scale.data(), shift.data(), sdyx.data(), sdy.data());
+    }
+  });
+}
 
 template <bool RELU, typename scalar_t, typename A>
 void fused_forward_planes(const Tensor& x, const Tensor& weight, const Tensor& bias,
@@ -685,39 +854,28 @@ void fused_forward_planes(const Tensor& x, const Tensor& weight, const Tensor& b
                           Tensor& invstd) {
   const scalar_t* xp = x.const_data_ptr<scalar_t>();
   scalar_t* yp = y.mutable_data_ptr<scalar_t>();
-  const A* wp = weight.defined() ? weight.const_data_ptr<A>() : nullptr;
-  const A* bp = bias.defined() ? bias.const_data_ptr<A>() : nullptr;
-  A* mp = mean.mutable_data_ptr<A>();
-  A* vp = var.mutable_data_ptr<A>();
-  A* ip = invstd.mutable_data_ptr<A>();
   const int64_t C = g.C, S = g.S, n = g.n;
-  const A count = A(n * S);
+  const ForwardStats<A> out(weight, bias, mean, var, invstd, n * S, eps);
   at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
     const int64_t block = std::min(S, kColumnBlock);
-    std::vector<A> pivots(block), cmean(block), cm2(block);
+    std::vector<A> cmean(block), cm2(block);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t d = i / C, c = i % C;
       const int64_t off = (d * n * C + c) * S;
       const A pivot = static_cast<A>(xp[off]);
-      std::fill(pivots.begin(), pivots.end(), pivot);
       Welford<A> total;
       for (int64_t s0 = 0; s0 < S; s0 += block) {
         const int64_t W = std::min(block, S - s0);
         std::fill_n(cmean.begin(), W, A(0));
         std::fill_n(cm2.begin(), W, A(0));
-        welford_rows<scalar_t, A>(xp + off + s0, n, W, C * S, pivots.data(), cmean.data(),
-                                  cm2.data());
-        for (int64_t w = 0; w < W; ++w) total.merge(A(n), cmean[w], cm2[w]);
+        welford_rows<scalar_t, A, true>(xp + off + s0, n, W, C * S, &pivot, cmean.data(),
+                                        cm2.data());
+        merge_columns(total, A(n), cmean.data(), cm2.data(), W);
       }
       const A mu = pivot + total.mean;
-      const A v = total.m2 / std::max(count, A(1));
-      const A inv = A(1) / std::sqrt(v + static_cast<A>(eps));
-      mp[i] = mu;
-      vp[i] = v;
-      ip[i] = inv;
-      const A scale = wp ? wp[c] * inv : inv;  // as coefficients() computes it
-      const A shift = bp ? bp[c] : A(0);
-      affine_planes<scalar_t, A, RELU>(xp + off, yp + off, n, S, C * S, mu, scale, shift);
+      const A scale = out.finish(i, c, mu, total.m2);
+      affine_planes<scalar_t, A, RELU>(xp + off, yp + off, n, S, C * S, mu, scale,
+                                       out.shift_of(c));
     }
   });
 }
@@ -732,7 +890,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train_cpu(
   geometry_of(x_in, devices, "batch_norm_train");  // the batch splits into `devices` slices
   const Geometry g = geometry_of(x_in, devices / group_size, "batch_norm_train");
   const Layout layout = layout_of(x_in);
-  if (!use_planes(g, layout) || x_in.numel() == 0) {
+  const bool planes = use_planes(g, layout);
+  const RowPlan plan = row_plan(g, layout, g.slices);
+  const int64_t width =
+      planes ? 0 : block_width(plan, plan.W / g.C, g.slices, x_in.element_size(), 1);
+  if ((!planes && width == 0) || x_in.numel() == 0) {
     auto [count, mean, m2] = local_stats_cpu(x_in, g.slices);
     Tensor var = at::empty_like(m2);
     Tensor invstd = at::empty_like(m2);
@@ -762,10 +924,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train_cpu(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(),
                                   "batch_norm_train_cpu", [&] {
     using A = typename AccOf<scalar_t>::type;
-    if (relu) {
-      fused_forward_planes<true, scalar_t, A>(x, w, b, g, eps, y, mean, var, invstd);
+    if (planes) {
+      if (relu) {
+        fused_forward_planes<true, scalar_t, A>(x, w, b, g, eps, y, mean, var, invstd);
+      } else {
+        fused_forward_planes<false, scalar_t, A>(x, w, b, g, eps, y, mean, var, invstd);
+      }
+    } else if (relu) {
+      fused_forward_rows<true, scalar_t, A>(x, w, b, g, plan, width, eps, y, mean, var, invstd);
     } else {
-      fused_forward_planes<false, scalar_t, A>(x, w, b, g, eps, y, mean, var, invstd);
+      fused_forward_rows<false, scalar_t, A>(x, w, b, g, plan, width, eps, y, mean, var, invstd);
     }
   });
   return {y, mean, var, invstd};
@@ -782,25 +950,20 @@ void fused_backward_planes(const Prepared& p, const Tensor& dy, const Coefficien
   const A inv_m = A(1) / A(n * S);
   at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
     const int64_t block = std::min(S, kColumnBlock);
-    std::vector<A> mean(block), scale(block), shift(block), sdy(block), sdyx(block);
+    std::vector<A> sdy(block), sdyx(block);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t c = i % C;
       const int64_t off = ((i / C) * n * C + c) * S;
-      std::fill(mean.begin(), mean.end(), k.mean[i]);
-      std::fill(scale.begin(), scale.end(), k.scale[i]);
-      std::fill(shift.begin(), shift.end(), k.shift[c]);
       A total_dy = 0, total_dyx = 0;
       for (int64_t s0 = 0; s0 < S; s0 += block) {
         const int64_t W = std::min(block, S - s0);
         std::fill_n(sdy.begin(), W, A(0));
         std::fill_n(sdyx.begin(), W, A(0));
-        grad_sums_rows<scalar_t, A, RELU>(gp + off + s0, xp + off + s0, n, W, C * S,
-                                          mean.data(), scale.data(), shift.data(), sdy.data(),
-                                          sdyx.data());
-        for (int64_t w = 0; w < W; ++w) {
-          total_dy += sdy[w];
-          total_dyx += sdyx[w];
-        }
+        grad_sums_rows<scalar_t, A, RELU, true>(gp + off + s0, xp + off + s0, n, W, C * S,
+                                                &k.mean[i], &k.scale[i], &k.shift[c],
+                                                sdy.data(), sdyx.data());
+        total_dy += lane_sum(sdy.data(), W);
+        total_dyx += lane_sum(sdyx.data(), W);
       }
       sum_dy[i] = total_dy;
       sum_dy_xhat[i] = total_dyx * k.invstd[i];
@@ -824,7 +987,11 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward_cpu(
               "got ", dy_in.sizes(), " ", dy_in.scalar_type(), " and ", x_in.sizes(), " ",
               x_in.scalar_type());
   const Prepared p = prepare(x_in, mean, invstd, weight, bias, "batch_norm_train_backward");
-  if (!use_planes(p.g, p.layout) || x_in.numel() == 0) {
+  const bool planes = use_planes(p.g, p.layout);
+  const RowPlan plan = row_plan(p.g, p.layout, p.g.slices);
+  const int64_t width =
+      planes ? 0 : block_width(plan, plan.W / p.g.C, p.g.slices, x_in.element_size(), 2);
+  if ((!planes && width == 0) || x_in.numel() == 0) {
     auto [sum_dy, sum_dy_xhat] = backward_reduce_cpu(dy_in, x_in, mean, invstd, weight, bias,
                                                      relu);
     Tensor dx = at::empty({0}, x_in.options());
@@ -848,10 +1015,16 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward_cpu(
     const auto k = coefficients<A>(p.mean, p.invstd, p.weight, p.bias, p.g.slices, p.g.C);
     A* s1 = sum_dy.mutable_data_ptr<A>();
     A* s2 = sum_dy_xhat.mutable_data_ptr<A>();
-    if (relu) {
-      fused_backward_planes<true, scalar_t, A>(p, dy, k, input_grad, dx, s1, s2);
+    if (planes) {
+      if (relu) {
+        fused_backward_planes<true, scalar_t, A>(p, dy, k, input_grad, dx, s1, s2);
+      } else {
+        fused_backward_planes<false, scalar_t, A>(p, dy, k, input_grad, dx, s1, s2);
+      }
+    } else if (relu) {
+      fused_backward_rows<true, scalar_t, A>(p, dy, k, plan, width, input_grad, dx, s1, s2);
     } else {
-      fused_backward_planes<false, scalar_t, A>(p, dy, k, input_grad, dx, s1, s2);
+      fused_backward_rows<false, scalar_t, A>(p, dy, k, plan, width, input_grad, dx, s1, s2);
     }
   });
   if (p.g.slices == 1) return {dx, sum_dy_xhat.view({-1}), sum_dy.view({-1})};

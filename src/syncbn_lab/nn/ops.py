@@ -156,7 +156,7 @@ def backward_elemt(
 
 
 # ---------------------------------------------------------------------------------------------
-# Composite op: forward in C++ (CompositeExplicitAutograd), backward registered here
+# Composite op: forward, backward and autograd in C++ (csrc/syncbn_autograd.cpp)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -174,52 +174,8 @@ def batch_norm_train(
     Statistics are shared within consecutive groups of ``group_size`` slices (1: per-device
     BN; ``devices``: SyncBN over all slices). Differentiable in x, weight and bias.
     """
-    if torch.compiler.is_compiling():  # the op and its registered autograd, traced whole
-        return BatchNormOutput(
-            *_ops().batch_norm_train(x, weight, bias, devices, group_size, eps, relu)
-        )
-    _ops()  # the one-line error when the extension is not built
     return BatchNormOutput(
-        *_EagerBatchNormTrain.apply(x, weight, bias, devices, group_size, eps, relu)
-    )
-
-
-class _EagerBatchNormTrain(torch.autograd.Function):
-    """``syncbn_lab::batch_norm_train`` with the backward registered in :func:`_register`,
-    for eager mode: the same kernels, without the per-call Python argument handling of
-    torch.library's autograd wrapper (a sizeable part of a small layer's training step)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, devices, group_size, eps, relu):
-        with torch._C._AutoDispatchBelowADInplaceOrView():  # straight to the kernel
-            y, mean, var, invstd = torch.ops.syncbn_lab.batch_norm_train(
-                x, weight, bias, devices, group_size, eps, relu
-            )
-        ctx.save_for_backward(x, weight, bias, mean, invstd)
-        ctx.relu = relu
-        ctx.mark_non_differentiable(mean, var, invstd)
-        return y, mean, var, invstd
-
-    @staticmethod
-    def backward(ctx, dy, _dmean, _dvar, _dinvstd):
-        return _batch_norm_train_backward(ctx, dy)
-
-
-def _batch_norm_train_backward(ctx, dy):
-    """Gradients of batch_norm_train in one op call: it is on the path of every step."""
-    x, weight, bias, mean, invstd = ctx.saved_tensors
-    need_dx, need_dweight, need_dbias = ctx.needs_input_grad[:3]
-    dx, dweight, dbias = torch.ops.syncbn_lab.batch_norm_train_backward(
-        dy, x, weight, bias, mean, invstd, ctx.relu, need_dx
-    )
-    return (
-        dx if need_dx else None,
-        dweight.to(weight.dtype) if need_dweight else None,
-        dbias.to(bias.dtype) if need_dbias else None,
-        None,
-        None,
-        None,
-        None,
+        *_ops().batch_norm_train(x, weight, bias, devices, group_size, eps, relu)
     )
 
 
@@ -426,18 +382,6 @@ def _register() -> None:
         acc = _acc_dtype(x)
         dx = _empty_like_kernel_output(x) if input_grad else x.new_empty((0,))
         return dx, x.new_empty((x.shape[1],), dtype=acc), x.new_empty((x.shape[1],), dtype=acc)
-
-    def setup_context(ctx, inputs, output):
-        x, weight, bias, devices, group_size, eps, relu = inputs
-        _, mean, var, invstd = output
-        ctx.save_for_backward(x, weight, bias, mean, invstd)
-        ctx.relu = relu
-        ctx.mark_non_differentiable(mean, var, invstd)
-
-    def backward(ctx, dy, _dmean, _dvar, _dinvstd):
-        return _batch_norm_train_backward(ctx, dy)
-
-    torch.library.register_autograd(lib + "batch_norm_train", backward, setup_context=setup_context)
 
 
 _LOADED = _ext.load()
