@@ -3,7 +3,14 @@
 Not a test: it prints ratios measured side by side in one run (the implementations are
 interleaved and the best of several repeats is kept, so background load hits all alike).
 
-    python scripts/bench_syncbn.py [--quick] [--json FILE] [--no-dist]
+    python scripts/bench_syncbn.py [--quick] [--json FILE] [--no-dist] [--system-malloc]
+
+Allocator: every step allocates fresh outputs of 2-8 MB. With glibc's default tunables its
+dynamic mmap threshold makes such blocks come back from the kernel (zeroed page by page) in
+some repeats and not in others, depending on the order of earlier allocations, which moved
+single rows by up to 2x between runs. The script therefore re-runs itself with the threshold
+fixed (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, what jemalloc or tcmalloc users get
+anyway), the same for every row; --system-malloc keeps the defaults.
 
 Rows: torch.nn.BatchNorm2d (world size 1), this repository's SyncBatchNorm with
 impl="reference" and impl="fused" (the C++ kernels of syncbn_lab._C; skipped when not built)
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -183,13 +191,29 @@ def print_bytes_table(channels_list=(64, 256)) -> None:
     )
 
 
+MALLOC_TUNABLES = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
+def _fixed_allocator(args: argparse.Namespace) -> None:
+    """Re-executes this script with glibc's mmap threshold fixed (see the module docstring)."""
+    if args.system_malloc or all(os.environ.get(k) == v for k, v in MALLOC_TUNABLES.items()):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_TUNABLES})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations (noisier)")
     parser.add_argument("--json", type=Path, help="write the timing records to this file")
     parser.add_argument("--no-dist", action="store_true", help="skip the 2-rank gloo rows")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument(
+        "--system-malloc", action="store_true", help="keep glibc's default allocator tunables"
+    )
     args = parser.parse_args()
+    _fixed_allocator(args)
+    allocator = "glibc defaults" if args.system_malloc else "glibc, mmap threshold fixed"
+    print(f"threads {args.threads}, allocator: {allocator}")
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     iters, repeats = (3, 3) if args.quick else (10, 5)

@@ -289,6 +289,12 @@ def _opcheck_cases():
         # The composite is differentiable: opcheck also checks its autograd registration.
         (lib.batch_norm_train.default, (grad(x), grad(w), grad(b), 2, 1, 1e-5, True)),
         (lib.batch_norm_train.default, (grad(x_cl.float()), None, None, 4, 2, 1e-3, False)),
+        (lib.batch_norm_train_backward.default, (dy, x, w, b, mean, invstd, True, True)),
+        (
+            lib.update_running_stats.default,
+            (torch.zeros(3), torch.ones(3), mean.float(), m2.float(), invstd.float(), 0.1, 50, 16.0),
+        ),
+        (lib.update_running_stats.default, (None, None, mean, m2, invstd, 0.0, 50, 0.0)),
     ]
 
 
@@ -296,7 +302,7 @@ def grad(t):
     return t.detach().clone().requires_grad_()
 
 
-@pytest.mark.parametrize("case", range(9))
+@pytest.mark.parametrize("case", range(12))
 def test_opcheck(case):
     op, args = _opcheck_cases()[case]
     torch.library.opcheck(op, args)
@@ -313,3 +319,27 @@ def test_gradcheck_float64(devices, group_size, relu):
         return ops.batch_norm_train(x, w, b, devices, group_size, 1e-5, relu).y
 
     assert torch.autograd.gradcheck(f, (x, w, b))
+
+
+# --- the eager bookkeeping op ---------------------------------------------------------------------
+
+
+def test_update_running_stats_matches_lerp_and_guards_coarse_means():
+    g = torch.Generator().manual_seed(3)
+    mean = torch.randn(2, 4, generator=g)
+    var = torch.rand(2, 4, generator=g) + 0.1
+    invstd = torch.rsqrt(var + 1e-5)
+    running_mean, running_var = torch.randn(4, generator=g), torch.rand(4, generator=g)
+    expected_mean = running_mean.lerp(mean[0], 0.25)
+    expected_var = running_var.lerp(var[0] * 10 / 9, 0.25)
+    assert not ops.update_running_stats(running_mean, running_var, mean, var, invstd, 0.25, 10, 16)
+    torch.testing.assert_close(running_mean, expected_mean)
+    torch.testing.assert_close(running_var, expected_var)
+    # A mean of 1e4 with std 0.1 is too coarse in float32: reported, and nothing moves.
+    coarse = mean.clone()
+    coarse[1, 2] = 1e4
+    before = running_mean.clone()
+    invstd = torch.full_like(mean, 10.0)
+    assert ops.update_running_stats(running_mean, running_var, coarse, var, invstd, 0.5, 10, 16)
+    torch.testing.assert_close(running_mean, before)
+    assert not ops.update_running_stats(None, None, coarse, var, invstd, 0.5, 10, 0.0)

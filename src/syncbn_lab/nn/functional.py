@@ -272,14 +272,24 @@ def _fused_single_op(
     m = _SliceShape(x, devices).n  # values per slice, each its own group
     _check_count(m, x, devices, comm)
     out = ops.batch_norm_train(x, weight, bias, devices, 1, eps, False)
-    if _fused_mean_too_coarse(out.mean, out.invstd, x.dtype):
+    track = running_mean is not None and m > 0  # slice 0's statistics, as device 0's buffers
+    if torch.compiler.is_compiling():
+        # Traced without the guard of _fused_mean_too_coarse (a data-dependent branch would
+        # break the graph), and with a tensor factor for momentum=None for the same reason.
+        if track:
+            factor = momentum if momentum is not None else 1.0 / num_batches_tracked
+            with torch.no_grad():
+                _update_running_stats(running_mean, running_var, out.mean[0], out.var[0], m, factor)
+        return out.y
+    # Eager: the guard and the running statistics in one op call.
+    factor = momentum if momentum is not None else 0.0
+    if momentum is None and track:
+        factor = 1.0 / num_batches_tracked.item()
+    limit = 0.0 if x.dtype == torch.float64 else _FUSED_MEAN_LIMIT
+    stats = (running_mean, running_var) if track else (None, None)
+    if ops.update_running_stats(*stats, out.mean, out.var, out.invstd, factor, m, limit):
         args = (x, weight, bias, running_mean, running_var, num_batches_tracked, training)
         return _reference_batch_norm(*args, momentum, eps, devices, group_size, comm)
-    if running_mean is not None and m > 0:
-        # A tensor factor for momentum=None: float(num_batches_tracked) would break a graph.
-        factor = momentum if momentum is not None else 1.0 / num_batches_tracked
-        with torch.no_grad():  # slice 0's statistics, as device 0's buffers survive
-            _update_running_stats(running_mean, running_var, out.mean[0], out.var[0], m, factor)
     return out.y
 
 

@@ -21,7 +21,8 @@ Differentiable with a cross-device reduction done in Python between the primitiv
   Without the callables it is :func:`batch_norm_train`.
 
 ``batch_norm_train_backward(dy, x, weight, bias, mean, invstd, relu, input_grad) -> (dx,
-dweight, dbias)`` is its backward in one op (dx empty unless ``input_grad``).
+dweight, dbias)`` is its backward in one op (dx empty unless ``input_grad``), and
+:func:`update_running_stats` the bookkeeping of an eager training step after it.
 
 Primitives (not differentiable; the ops behind both):
 
@@ -66,6 +67,7 @@ __all__ = [
     "fused_batch_norm_train",
     "local_stats",
     "merge_stats",
+    "update_running_stats",
 ]
 
 available = _ext.available
@@ -177,6 +179,26 @@ def batch_norm_train(
     return BatchNormOutput(
         *_ops().batch_norm_train(x, weight, bias, devices, group_size, eps, relu)
     )
+
+
+def update_running_stats(
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    mean: Tensor,
+    var: Tensor,
+    invstd: Tensor,
+    factor: float,
+    count: int,
+    mean_limit: float,
+) -> bool:
+    """Eager bookkeeping of a :func:`batch_norm_train` step in one op call: returns True (and
+    updates nothing) when some row has ``|mean| * invstd > mean_limit`` (0: no check);
+    otherwise moves the running statistics, if given, by ``factor`` towards row 0's mean and
+    unbiased variance of ``count`` values. Reads a value back (a device sync on a GPU)."""
+    too_coarse = _ops().update_running_stats(
+        running_mean, running_var, mean, var, invstd, factor, count, mean_limit
+    )
+    return bool(too_coarse.item())
 
 
 def fused_batch_norm_train(
@@ -382,6 +404,11 @@ def _register() -> None:
         acc = _acc_dtype(x)
         dx = _empty_like_kernel_output(x) if input_grad else x.new_empty((0,))
         return dx, x.new_empty((x.shape[1],), dtype=acc), x.new_empty((x.shape[1],), dtype=acc)
+
+    @torch.library.register_fake(lib + "update_running_stats")
+    def _(running_mean, running_var, mean, var, invstd, factor, count, mean_limit):
+        torch._check(mean.dim() == 2, lambda: "mean, var and invstd must be (G, C)")
+        return mean.new_empty((), dtype=torch.bool)
 
 
 _LOADED = _ext.load()
