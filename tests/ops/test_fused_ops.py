@@ -292,7 +292,14 @@ def _opcheck_cases():
         (lib.batch_norm_train_backward.default, (dy, x, w, b, mean, invstd, True, True)),
         (
             lib.update_running_stats.default,
-            (torch.zeros(3), torch.ones(3), mean.float(), m2.float(), invstd.float(), 0.1, 50, 16.0),
+            (
+                torch.zeros(3),
+                torch.ones(3),
+                *(t.float() for t in (mean, m2, invstd)),
+                0.1,
+                50,
+                16.0,
+            ),
         ),
         (lib.update_running_stats.default, (None, None, mean, m2, invstd, 0.0, 50, 0.0)),
     ]
