@@ -19,6 +19,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "syncbn.h"
@@ -69,21 +71,79 @@ struct Welford {
   }
 };
 
+// The column-wise reductions below work on bands of a few rows and chunks of kLanes
+// columns whose accumulators stay in registers for the whole band (one vector register of
+// float32 on AVX-512); only between bands do they touch memory. Accumulating in memory row
+// by row ran at about half the read bandwidth of a plain sum.
+constexpr int kLanes = 16;
+constexpr int64_t kWelfordBand = 8;  // rows per Welford band
+constexpr int64_t kSumBand = 8;  // rows per band of the gradient sums (2 tensors: 16 streams)
+
+// L accumulators of type A as one GCC vector value, so that they live in registers (plain
+// arrays were kept on the stack, a store-to-load round trip per row).
+template <typename A, int L>
+struct Lanes {
+  typedef A type __attribute__((vector_size(L * sizeof(A))));
+};
+
+// L values of T from p (unaligned), converted to A.
+template <int L, typename T, typename A>
+__attribute__((always_inline)) inline typename Lanes<A, L>::type load_lanes(const T* p) {
+  typename Lanes<A, L>::type v;
+  if constexpr (std::is_same_v<T, A>) {
+    std::memcpy(&v, p, sizeof(v));
+  } else {
+    for (int j = 0; j < L; ++j) v[j] = static_cast<A>(p[j]);
+  }
+  return v;
+}
+
+// One band (nb rows spaced ld apart) of L columns merged into the columns' running (mean,
+// m2) of x - pivot: the band's mean and M2 in two passes over it (in L1), then Chan's merge
+// with weight f = nb / (n + nb) and n * f.
+template <int L, typename T, typename A, bool SHARED>
+__attribute__((always_inline)) inline void welford_band(const T* __restrict__ band, int64_t nb,
+                                                        int64_t ld, const A* __restrict__ pivot,
+                                                        A* __restrict__ mean, A* __restrict__ m2,
+                                                        A inv_nb, A f, A nf) {
+  using V = typename Lanes<A, L>::type;
+  const V p = SHARED ? V{} + pivot[0] : load_lanes<L, A, A>(pivot);
+  V s = {}, q = {};
+  for (int64_t r = 0; r < nb; ++r) s += load_lanes<L, T, A>(band + r * ld) - p;
+  s *= inv_nb;
+  for (int64_t r = 0; r < nb; ++r) {
+    const V d = load_lanes<L, T, A>(band + r * ld) - p - s;
+    q += d * d;
+  }
+  const V delta = s - load_lanes<L, A, A>(mean);
+  const V new_mean = load_lanes<L, A, A>(mean) + delta * f;
+  const V new_m2 = load_lanes<L, A, A>(m2) + (q + delta * delta * nf);
+  std::memcpy(mean, &new_mean, sizeof(V));
+  std::memcpy(m2, &new_m2, sizeof(V));
+}
+
 // Column-wise Welford over `rows` rows of W values spaced `ld` apart, of x - pivot[w]
-// (SHARED: of x - pivot[0], one pivot for all columns); mean and m2 start at zero.
+// (SHARED: of x - pivot[0], one pivot for all columns); mean and m2 start at zero and end
+// as the mean of x - pivot and the sum of squared deviations of each column.
 template <typename T, typename A, bool SHARED = false>
 SYNCBN_CLONES void welford_rows(const T* __restrict__ x, int64_t rows, int64_t W, int64_t ld,
                                 const A* __restrict__ pivot, A* __restrict__ mean,
                                 A* __restrict__ m2) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const A rc = A(1) / A(r + 1);
-    const T* __restrict__ row = x + r * ld;
-    for (int64_t w = 0; w < W; ++w) {
-      const A v = static_cast<A>(row[w]) - pivot[SHARED ? 0 : w];
-      const A d = v - mean[w];
-      mean[w] += d * rc;
-      m2[w] += d * (v - mean[w]);
+  A n = 0;
+  for (int64_t r0 = 0; r0 < rows; r0 += kWelfordBand) {
+    const int64_t nb = std::min(kWelfordBand, rows - r0);
+    const A total = n + A(nb), f = A(nb) / total, nf = n * f, inv_nb = A(1) / A(nb);
+    const T* __restrict__ band = x + r0 * ld;
+    int64_t w = 0;
+    for (; w + kLanes <= W; w += kLanes) {
+      welford_band<kLanes, T, A, SHARED>(band + w, nb, ld, pivot + (SHARED ? 0 : w), mean + w,
+                                         m2 + w, inv_nb, f, nf);
     }
+    for (; w < W; ++w) {
+      welford_band<1, T, A, SHARED>(band + w, nb, ld, pivot + (SHARED ? 0 : w), mean + w,
+                                    m2 + w, inv_nb, f, nf);
+    }
+    n = total;
   }
 }
 
@@ -466,6 +526,31 @@ Tensor forward_elemt_cpu(const Tensor& x_in, const Tensor& mean, const Tensor& i
 // Backward: sums of dy' and dy' * (x - mean), then dx
 // ---------------------------------------------------------------------------------------
 
+// One band (nb rows spaced ld apart) of L columns: sums of dy' and dy' * (x - mean) added
+// to sdy and sdyx; dy' = dy masked by y > 0 with RELU, y recomputed as the forward does.
+template <int L, typename T, typename A, bool RELU, bool SHARED>
+__attribute__((always_inline)) inline void grad_sums_band(
+    const T* __restrict__ dy, const T* __restrict__ x, int64_t nb, int64_t ld,
+    const A* __restrict__ mean, const A* __restrict__ scale, const A* __restrict__ shift,
+    A* __restrict__ sdy, A* __restrict__ sdyx) {
+  using V = typename Lanes<A, L>::type;
+  const V mu = SHARED ? V{} + mean[0] : load_lanes<L, A, A>(mean);
+  const V sc = SHARED ? V{} + scale[0] : load_lanes<L, A, A>(scale);
+  const V sh = SHARED ? V{} + shift[0] : load_lanes<L, A, A>(shift);
+  V a = {}, b = {};
+  for (int64_t r = 0; r < nb; ++r) {
+    const V xm = load_lanes<L, T, A>(x + r * ld) - mu;
+    V g = load_lanes<L, T, A>(dy + r * ld);
+    if (RELU) g = xm * sc + sh > V{} ? g : V{};
+    a += g;
+    b += g * xm;
+  }
+  const V new_a = load_lanes<L, A, A>(sdy) + a;
+  const V new_b = load_lanes<L, A, A>(sdyx) + b;
+  std::memcpy(sdy, &new_a, sizeof(V));
+  std::memcpy(sdyx, &new_b, sizeof(V));
+}
+
 // Column-wise sums of dy' and dy' * (x - mean) over `rows` rows of W values spaced `ld`
 // apart, added to sdy and sdyx; coefficients per column (SHARED: element 0 for all).
 template <typename T, typename A, bool RELU, bool SHARED = false>
@@ -473,16 +558,18 @@ SYNCBN_CLONES void grad_sums_rows(const T* __restrict__ dy, const T* __restrict_
                                   int64_t W, int64_t ld, const A* __restrict__ mean,
                                   const A* __restrict__ scale, const A* __restrict__ shift,
                                   A* __restrict__ sdy, A* __restrict__ sdyx) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* __restrict__ xr = x + r * ld;
-    const T* __restrict__ gr = dy + r * ld;
-    for (int64_t w = 0; w < W; ++w) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kSumBand) {
+    const int64_t nb = std::min(kSumBand, rows - r0), off = r0 * ld;
+    int64_t w = 0;
+    for (; w + kLanes <= W; w += kLanes) {
       const int64_t k = SHARED ? 0 : w;
-      const A xm = static_cast<A>(xr[w]) - mean[k];
-      A g = static_cast<A>(gr[w]);
-      if (RELU) g = xm * scale[k] + shift[k] > A(0) ? g : A(0);
-      sdy[w] += g;
-      sdyx[w] += g * xm;
+      grad_sums_band<kLanes, T, A, RELU, SHARED>(dy + off + w, x + off + w, nb, ld, mean + k,
+                                                 scale + k, shift + k, sdy + w, sdyx + w);
+    }
+    for (; w < W; ++w) {
+      const int64_t k = SHARED ? 0 : w;
+      grad_sums_band<1, T, A, RELU, SHARED>(dy + off + w, x + off + w, nb, ld, mean + k,
+                                            scale + k, shift + k, sdy + w, sdyx + w);
     }
   }
 }
