@@ -14,6 +14,7 @@
 // setup.py compiles this file with -ffp-contract=off: the ReLU mask recomputed in the
 // backward, (x - mean) * scale + bias > 0, is then bit-identical to the forward's output.
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -1118,6 +1119,62 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward_cpu(
   return {dx, sum_dy_xhat.sum(0), sum_dy.sum(0)};
 }
 
+// update_running_stats (contract in syncbn.cpp) without temporaries: on the CPU the eager
+// step's bookkeeping then allocates one 0-dim tensor instead of a dozen small ones.
+Tensor update_running_stats_cpu(const std::optional<Tensor>& running_mean,
+                                const std::optional<Tensor>& running_var, const Tensor& mean_in,
+                                const Tensor& var_in, const Tensor& invstd_in, double factor,
+                                int64_t count, double mean_limit) {
+  TORCH_CHECK(mean_in.dim() == 2 && var_in.sizes() == mean_in.sizes() &&
+                  invstd_in.sizes() == mean_in.sizes(),
+              "syncbn_lab::update_running_stats: mean, var and invstd must be (G, C), got ",
+              mean_in.sizes(), ", ", var_in.sizes(), " and ", invstd_in.sizes());
+  TORCH_CHECK(running_mean.has_value() == running_var.has_value(),
+              "syncbn_lab::update_running_stats: give both running statistics or neither");
+  const auto acc = mean_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const Tensor mean = mean_in.to(acc).contiguous();
+  const Tensor var = var_in.to(acc).contiguous();
+  const Tensor invstd = invstd_in.to(acc).contiguous();
+  const int64_t C = mean.size(1);
+  bool coarse = false;
+  AT_DISPATCH_FLOATING_TYPES(acc, "update_running_stats_cpu", [&] {
+    const scalar_t* mp = mean.const_data_ptr<scalar_t>();
+    const scalar_t* ip = invstd.const_data_ptr<scalar_t>();
+    for (int64_t i = 0; mean_limit > 0 && i < mean.numel(); ++i) {
+      coarse = coarse || std::abs(mp[i] * ip[i]) > mean_limit;
+    }
+    if (coarse || !running_mean.has_value() || C == 0) return;
+    TORCH_CHECK(count > 1, "syncbn_lab::update_running_stats: count must be > 1, got ", count);
+    TORCH_CHECK(running_mean->numel() == C && running_var->numel() == C &&
+                    running_mean->is_contiguous() && running_var->is_contiguous(),
+                "syncbn_lab::update_running_stats: running statistics must be contiguous (C,)");
+    const scalar_t* vp = var.const_data_ptr<scalar_t>();
+    // As var[0].mul(count / (count - 1)) in the statistics' dtype.
+    const scalar_t unbias = static_cast<scalar_t>(static_cast<double>(count) / (count - 1));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, running_mean->scalar_type(),
+                                    "update_running_stats_cpu_buffers", [&] {
+      TORCH_CHECK(running_var->scalar_type() == running_mean->scalar_type(),
+                  "syncbn_lab::update_running_stats: running statistics of different dtypes");
+      scalar_t* rm = running_mean->mutable_data_ptr<scalar_t>();
+      scalar_t* rv = running_var->mutable_data_ptr<scalar_t>();
+      using R = at::opmath_type<scalar_t>;
+      const R w = static_cast<R>(factor);
+      // As torch.lerp's vectorised CPU kernel: fma(w, end - start, start) for |w| < 0.5,
+      // else fma(w - 1, end - start, end) (bitwise equal; tested).
+      const auto lerp = [w](scalar_t start, scalar_t end) {
+        const R s0 = static_cast<R>(start), e = static_cast<R>(end);
+        const bool small = std::abs(w) < R(0.5);
+        return static_cast<scalar_t>(std::fma(small ? w : w - R(1), e - s0, small ? s0 : e));
+      };
+      for (int64_t c = 0; c < C; ++c) {
+        rm[c] = lerp(rm[c], static_cast<scalar_t>(mp[c]));
+        rv[c] = lerp(rv[c], static_cast<scalar_t>(vp[c] * unbias));
+      }
+    });
+  });
+  return at::scalar_tensor(coarse, mean_in.options().dtype(at::kBool));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(syncbn_lab, CPU, m) {
@@ -1128,6 +1185,7 @@ TORCH_LIBRARY_IMPL(syncbn_lab, CPU, m) {
   m.impl("backward_elemt", &backward_elemt_cpu);
   m.impl("batch_norm_train", &batch_norm_train_cpu);
   m.impl("batch_norm_train_backward", &batch_norm_train_backward_cpu);
+  m.impl("update_running_stats", &update_running_stats_cpu);
 }
 
 }  // namespace syncbn_lab

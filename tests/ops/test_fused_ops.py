@@ -331,17 +331,31 @@ def test_gradcheck_float64(devices, group_size, relu):
 # --- the eager bookkeeping op ---------------------------------------------------------------------
 
 
-def test_update_running_stats_matches_lerp_and_guards_coarse_means():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("factor", [0.1, 1.0, 0.7])
+def test_update_running_stats_equals_lerp_bitwise(dtype, factor):
+    g = torch.Generator().manual_seed(3)
+    stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    mean = torch.randn(2, 37, generator=g, dtype=stat_dtype)
+    var = torch.rand(2, 37, generator=g, dtype=stat_dtype) + 0.5
+    invstd = torch.rsqrt(var + 1e-5)
+    running_mean = torch.randn(37, generator=g).to(dtype)
+    running_var = torch.rand(37, generator=g).to(dtype)
+    # What the traced path (and the reference) does: torch.lerp towards row 0.
+    expected_mean = running_mean.lerp(mean[0].to(dtype), factor)
+    expected_var = running_var.lerp((var[0] * (10 / 9)).to(dtype), factor)
+    assert not ops.update_running_stats(
+        running_mean, running_var, mean, var, invstd, factor, 10, 16.0
+    )
+    assert torch.equal(running_mean, expected_mean)
+    assert torch.equal(running_var, expected_var)
+
+
+def test_update_running_stats_guards_coarse_means():
     g = torch.Generator().manual_seed(3)
     mean = torch.randn(2, 4, generator=g)
     var = torch.rand(2, 4, generator=g) + 0.1
-    invstd = torch.rsqrt(var + 1e-5)
     running_mean, running_var = torch.randn(4, generator=g), torch.rand(4, generator=g)
-    expected_mean = running_mean.lerp(mean[0], 0.25)
-    expected_var = running_var.lerp(var[0] * 10 / 9, 0.25)
-    assert not ops.update_running_stats(running_mean, running_var, mean, var, invstd, 0.25, 10, 16)
-    torch.testing.assert_close(running_mean, expected_mean)
-    torch.testing.assert_close(running_var, expected_var)
     # A mean of 1e4 with std 0.1 is too coarse in float32: reported, and nothing moves.
     coarse = mean.clone()
     coarse[1, 2] = 1e4
