@@ -7,8 +7,9 @@
 //   rows:   ChannelsLast (rows of W = C values) and ChannelsFirst with small S (a sample is a
 //           row of W = C*S "virtual channels", merged per channel at the end). Tasks take
 //           chunks of rows.
-// Either way every column has its own accumulator, so the inner loop over a row is a plain
-// vectorisable loop and Welford's division happens once per row, not per value.
+// Either way every column has its own accumulator, and the reductions run over bands of 8
+// rows with the accumulators of 16 columns in one vector register (see welford_rows), so
+// Welford's divisions happen once per band and memory is touched once per band, not per row.
 // The hot loops are leaf functions compiled for x86-64-v4, -v3 and baseline with GCC's
 // target_clones (the loader picks one at run time), so a build is fast and portable.
 // setup.py compiles this file with -ffp-contract=off: the ReLU mask recomputed in the
