@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "syncbn.h"
@@ -187,6 +188,25 @@ void merge_columns(Welford<A>& total, A n, const A* mean, const A* m2, int64_t W
   total.merge(n * A(W), mu, lane_sum(m2, W) + n * lane_spread(mean, W, mu));
 }
 
+// Statistics of one plane task: n planes of S values spaced ld apart (one channel of one
+// slice), Welford around its first value in column blocks of cmean.size(). Returns (mean,
+// m2) with the mean in x's coordinates.
+template <typename T, typename A>
+std::pair<A, A> plane_stats(const T* base, int64_t n, int64_t S, int64_t ld,
+                            std::vector<A>& cmean, std::vector<A>& cm2) {
+  const A pivot = static_cast<A>(base[0]);
+  const int64_t block = static_cast<int64_t>(cmean.size());
+  Welford<A> total;
+  for (int64_t s0 = 0; s0 < S; s0 += block) {
+    const int64_t W = std::min(block, S - s0);
+    std::fill_n(cmean.begin(), W, A(0));
+    std::fill_n(cm2.begin(), W, A(0));
+    welford_rows<T, A, true>(base + s0, n, W, ld, &pivot, cmean.data(), cm2.data());
+    merge_columns(total, A(n), cmean.data(), cm2.data(), W);
+  }
+  return {pivot + total.mean, total.m2};
+}
+
 // How the rows of one slice are cut into chunks for the row loops.
 struct RowPlan {
   int64_t W = 0;               // values per row
@@ -236,19 +256,8 @@ std::tuple<Tensor, Tensor, Tensor> local_stats_cpu(const Tensor& x_in, int64_t d
         std::vector<A> cmean(block), cm2(block);
         for (int64_t i = begin; i < end; ++i) {
           const int64_t d = i / C, c = i % C;
-          const scalar_t* base = xp + (d * n * C + c) * S;
-          const A pivot = static_cast<A>(base[0]);
-          Welford<A> total;
-          for (int64_t s0 = 0; s0 < S; s0 += block) {
-            const int64_t W = std::min(block, S - s0);
-            std::fill_n(cmean.begin(), W, A(0));
-            std::fill_n(cm2.begin(), W, A(0));
-            welford_rows<scalar_t, A, true>(base + s0, n, W, C * S, &pivot, cmean.data(),
-                                            cm2.data());
-            merge_columns(total, A(n), cmean.data(), cm2.data(), W);
-          }
-          mp[i] = pivot + total.mean;
-          m2p[i] = total.m2;
+          std::tie(mp[i], m2p[i]) =
+              plane_stats(xp + (d * n * C + c) * S, n, S, C * S, cmean, cm2);
         }
       });
       return;
@@ -576,6 +585,26 @@ SYNCBN_CLONES void grad_sums_rows(const T* __restrict__ dy, const T* __restrict_
   }
 }
 
+// Gradient sums of one plane task (coefficient row i, channel c; layout as plane_stats),
+// in column blocks of sdy.size(): (sum dy', sum dy' * xhat).
+template <bool RELU, typename T, typename A>
+std::pair<A, A> plane_grad_sums(const T* dy, const T* x, int64_t n, int64_t S, int64_t ld,
+                                const Coefficients<A>& k, int64_t i, int64_t c,
+                                std::vector<A>& sdy, std::vector<A>& sdyx) {
+  const int64_t block = static_cast<int64_t>(sdy.size());
+  A total_dy = 0, total_dyx = 0;
+  for (int64_t s0 = 0; s0 < S; s0 += block) {
+    const int64_t W = std::min(block, S - s0);
+    std::fill_n(sdy.begin(), W, A(0));
+    std::fill_n(sdyx.begin(), W, A(0));
+    grad_sums_rows<T, A, RELU, true>(dy + s0, x + s0, n, W, ld, &k.mean[i], &k.scale[i],
+                                     &k.shift[c], sdy.data(), sdyx.data());
+    total_dy += lane_sum(sdy.data(), W);
+    total_dyx += lane_sum(sdyx.data(), W);
+  }
+  return {total_dy, total_dyx * k.invstd[i]};
+}
+
 template <bool RELU, typename scalar_t, typename A>
 void backward_reduce_loops(const Prepared& p, const Tensor& dy, const Coefficients<A>& k,
                            A* sum_dy, A* sum_dy_xhat) {
@@ -590,19 +619,8 @@ void backward_reduce_loops(const Prepared& p, const Tensor& dy, const Coefficien
       for (int64_t i = begin; i < end; ++i) {
         const int64_t d = i / C, c = i % C;
         const int64_t off = (d * n * C + c) * S;
-        A total_dy = 0, total_dyx = 0;
-        for (int64_t s0 = 0; s0 < S; s0 += block) {
-          const int64_t W = std::min(block, S - s0);
-          std::fill_n(sdy.begin(), W, A(0));
-          std::fill_n(sdyx.begin(), W, A(0));
-          grad_sums_rows<scalar_t, A, RELU, true>(gp + off + s0, xp + off + s0, n, W, C * S,
-                                                  &k.mean[i], &k.scale[i], &k.shift[c],
-                                                  sdy.data(), sdyx.data());
-          total_dy += lane_sum(sdy.data(), W);
-          total_dyx += lane_sum(sdyx.data(), W);
-        }
-        sum_dy[i] = total_dy;
-        sum_dy_xhat[i] = total_dyx * k.invstd[i];
+        std::tie(sum_dy[i], sum_dy_xhat[i]) =
+            plane_grad_sums<RELU>(gp + off, xp + off, n, S, C * S, k, i, c, sdy, sdyx);
       }
     });
     return;
@@ -951,18 +969,8 @@ void fused_forward_planes(const Tensor& x, const Tensor& weight, const Tensor& b
     for (int64_t i = begin; i < end; ++i) {
       const int64_t d = i / C, c = i % C;
       const int64_t off = (d * n * C + c) * S;
-      const A pivot = static_cast<A>(xp[off]);
-      Welford<A> total;
-      for (int64_t s0 = 0; s0 < S; s0 += block) {
-        const int64_t W = std::min(block, S - s0);
-        std::fill_n(cmean.begin(), W, A(0));
-        std::fill_n(cm2.begin(), W, A(0));
-        welford_rows<scalar_t, A, true>(xp + off + s0, n, W, C * S, &pivot, cmean.data(),
-                                        cm2.data());
-        merge_columns(total, A(n), cmean.data(), cm2.data(), W);
-      }
-      const A mu = pivot + total.mean;
-      const A scale = out.finish(i, c, mu, total.m2);
+      const auto [mu, m2] = plane_stats(xp + off, n, S, C * S, cmean, cm2);
+      const A scale = out.finish(i, c, mu, m2);
       affine_planes<scalar_t, A, RELU>(xp + off, yp + off, n, S, C * S, mu, scale,
                                        out.shift_of(c));
     }
@@ -1043,19 +1051,8 @@ void fused_backward_planes(const Prepared& p, const Tensor& dy, const Coefficien
     for (int64_t i = begin; i < end; ++i) {
       const int64_t c = i % C;
       const int64_t off = ((i / C) * n * C + c) * S;
-      A total_dy = 0, total_dyx = 0;
-      for (int64_t s0 = 0; s0 < S; s0 += block) {
-        const int64_t W = std::min(block, S - s0);
-        std::fill_n(sdy.begin(), W, A(0));
-        std::fill_n(sdyx.begin(), W, A(0));
-        grad_sums_rows<scalar_t, A, RELU, true>(gp + off + s0, xp + off + s0, n, W, C * S,
-                                                &k.mean[i], &k.scale[i], &k.shift[c],
-                                                sdy.data(), sdyx.data());
-        total_dy += lane_sum(sdy.data(), W);
-        total_dyx += lane_sum(sdyx.data(), W);
-      }
-      sum_dy[i] = total_dy;
-      sum_dy_xhat[i] = total_dyx * k.invstd[i];
+      std::tie(sum_dy[i], sum_dy_xhat[i]) =
+          plane_grad_sums<RELU>(gp + off, xp + off, n, S, C * S, k, i, c, sdy, sdyx);
       if (!input_grad) continue;
       // As backward_elemt_cpu: the same coefficients from the same sums.
       const A kx = k.scale[i] * k.invstd[i] * sum_dy_xhat[i] * inv_m;
