@@ -103,11 +103,7 @@ Tensor update_running_stats(const std::optional<Tensor>& running_mean,
                             const std::optional<Tensor>& running_var, const Tensor& mean,
                             const Tensor& var, const Tensor& invstd, double factor,
                             int64_t count, double mean_limit) {
-  TORCH_CHECK(mean.dim() == 2 && var.sizes() == mean.sizes() && invstd.sizes() == mean.sizes(),
-              "syncbn_lab::update_running_stats: mean, var and invstd must be (G, C), got ",
-              mean.sizes(), ", ", var.sizes(), " and ", invstd.sizes());
-  TORCH_CHECK(running_mean.has_value() == running_var.has_value(),
-              "syncbn_lab::update_running_stats: give both running statistics or neither");
+  check_update_running_stats(running_mean, running_var, mean, var, invstd);
   const bool coarse = mean_limit > 0 && mean.numel() > 0 &&
                       mean.mul(invstd).abs_().max().item<double>() > mean_limit;
   if (!coarse && running_mean.has_value()) {

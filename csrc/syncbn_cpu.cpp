@@ -1123,12 +1123,7 @@ Tensor update_running_stats_cpu(const std::optional<Tensor>& running_mean,
                                 const std::optional<Tensor>& running_var, const Tensor& mean_in,
                                 const Tensor& var_in, const Tensor& invstd_in, double factor,
                                 int64_t count, double mean_limit) {
-  TORCH_CHECK(mean_in.dim() == 2 && var_in.sizes() == mean_in.sizes() &&
-                  invstd_in.sizes() == mean_in.sizes(),
-              "syncbn_lab::update_running_stats: mean, var and invstd must be (G, C), got ",
-              mean_in.sizes(), ", ", var_in.sizes(), " and ", invstd_in.sizes());
-  TORCH_CHECK(running_mean.has_value() == running_var.has_value(),
-              "syncbn_lab::update_running_stats: give both running statistics or neither");
+  check_update_running_stats(running_mean, running_var, mean_in, var_in, invstd_in);
   const auto acc = mean_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const Tensor mean = mean_in.to(acc).contiguous();
   const Tensor var = var_in.to(acc).contiguous();
