@@ -691,6 +691,14 @@ std::tuple<Tensor, Tensor> backward_reduce_cpu(const Tensor& dy_in, const Tensor
 
 // dx = scale * dy' - kx * (x - mean) - k0, with kx = scale * invstd * sum_dy_xhat / m and
 // k0 = scale * sum_dy / m: the formula of docs/batchnorm.md regrouped per channel.
+// (kx, k0) of coefficient row i from its global sums over m values (inv_m = 1 / m): the one
+// place the three dx loops take them from, so that they agree bit for bit.
+template <typename A>
+std::pair<A, A> dx_coefficients(const Coefficients<A>& k, int64_t i, A sum_dy, A sum_dy_xhat,
+                                A inv_m) {
+  return {k.scale[i] * k.invstd[i] * sum_dy_xhat * inv_m, k.scale[i] * sum_dy * inv_m};
+}
+
 template <typename T, typename A, bool RELU>
 SYNCBN_CLONES void dx_planes(const T* __restrict__ dy, const T* __restrict__ x,
                              T* __restrict__ dx, int64_t planes, int64_t S, int64_t ld, A mean,
@@ -802,8 +810,7 @@ Tensor backward_elemt_cpu(const Tensor& dy_in, const Tensor& x_in, const Tensor&
     for (int64_t i = 0; i < p.g.slices * C; ++i) {
       const A total = mp[m.numel() == 1 ? 0 : i / C];
       const A inv_m = total > A(0) ? A(1) / total : A(0);
-      kx[i] = k.scale[i] * k.invstd[i] * s2p[i] * inv_m;
-      k0[i] = k.scale[i] * s1p[i] * inv_m;
+      std::tie(kx[i], k0[i]) = dx_coefficients(k, i, s1p[i], s2p[i], inv_m);
     }
     if (relu) {
       backward_elemt_loops<true, scalar_t, A>(p, dy, k, kx, k0, dx);
@@ -944,13 +951,16 @@ void fused_backward_rows(const Prepared& p, const Tensor& dy, const Coefficients
         }
         sum_dy[i] = a;
         sum_dy_xhat[i] = b * k.invstd[i];
-        // As backward_elemt_cpu: the same coefficients from the same sums.
-        std::fill_n(sdyx.begin() + w, per, k.scale[i] * k.invstd[i] * sum_dy_xhat[i] * inv_m);
-        std::fill_n(sdy.begin() + w, per, k.scale[i] * sum_dy[i] * inv_m);
+        // The column sums are spent: their buffers now hold dx's coefficients per column.
+        const auto [kx, k0] = dx_coefficients(k, i, sum_dy[i], sum_dy_xhat[i], inv_m);
+        std::fill_n(sdyx.begin() + w, per, kx);
+        std::fill_n(sdy.begin() + w, per, k0);
       }
       if (!input_grad) continue;
+      const A* kx = sdyx.data();
+      const A* k0 = sdy.data();
       dx_rows<scalar_t, A, RELU>(gp + off, xp + off, op + off, rows, B, W, mean.data(),
-                                 scale.data(), shift.data(), sdyx.data(), sdy.data());
+                                 scale.data(), shift.data(), kx, k0);
     }
   });
 }
@@ -1054,9 +1064,7 @@ void fused_backward_planes(const Prepared& p, const Tensor& dy, const Coefficien
       std::tie(sum_dy[i], sum_dy_xhat[i]) =
           plane_grad_sums<RELU>(gp + off, xp + off, n, S, C * S, k, i, c, sdy, sdyx);
       if (!input_grad) continue;
-      // As backward_elemt_cpu: the same coefficients from the same sums.
-      const A kx = k.scale[i] * k.invstd[i] * sum_dy_xhat[i] * inv_m;
-      const A k0 = k.scale[i] * sum_dy[i] * inv_m;
+      const auto [kx, k0] = dx_coefficients(k, i, sum_dy[i], sum_dy_xhat[i], inv_m);
       dx_planes<scalar_t, A, RELU>(gp + off, xp + off, op + off, n, S, C * S, k.mean[i],
                                    k.scale[i], k.shift[c], kx, k0);
     }
