@@ -8,6 +8,8 @@ within 1e-5.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from reference_bn import reference_batch_norm, reference_with_grads
@@ -118,6 +120,28 @@ def test_device_slices_and_groups(devices, group_size, layout):
     fused = run_fused(x, w, b, dy, devices=devices, group_size=group_size)
     ref = reference_with_grads(x, w, b, dy, groups=devices // group_size)
     assert fused["mean"].shape == (devices // group_size, 4)
+    assert_matches(fused, ref, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("group_size,relu", [(1, False), (2, True)], ids=["bn", "sync_relu"])
+@pytest.mark.parametrize(
+    "shape,layout",
+    [((4, 24, 80, 80), "channels_last"), ((640, 64, 4, 4), "contiguous")],
+    ids=["channels_last", "small_planes"],
+)
+def test_groups_larger_than_the_single_pass_block(shape, layout, group_size, relu):
+    """Groups of more than kBlockBytes (1 MB) run the two-pass composite, whose elementwise
+    passes walk each thread's rows back to front in pieces that cross slice boundaries."""
+    x, w, b, dy = make_inputs(shape, torch.float32, layout, seed=group_size)
+    fused = run_fused(x, w, b, dy, devices=2, group_size=group_size, relu=relu)
+    ref = reference_with_grads(x, w, b, dy, groups=2 // group_size, relu=relu)
+    # dweight and dbias sum m = 10240 or 12800 float32 terms per channel here; their rounding
+    # error grows like sqrt(m) (measured up to 9e-5), so they get 1e-5 * sqrt(m / 25).
+    m = x.numel() // x.shape[1]
+    for name in ("dweight", "dbias"):
+        tol = 1e-5 * math.sqrt(m / 25)
+        torch.testing.assert_close(fused.pop(name).double(), ref.pop(name), atol=tol, rtol=tol)
+        fused[name] = ref[name] = None
     assert_matches(fused, ref, TOL[torch.float32])
 
 
