@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -49,6 +50,7 @@ REFERENCE = "reference"
 PER_DEVICE = "reference_per_device"  # same math without synchronisation: isolates its cost
 FUSED = "fused"
 FUSED_PER_DEVICE = "fused_per_device"
+MAX_STEPS = 200  # per sample of a local row
 
 
 def _layer(impl: str, channels: int) -> torch.nn.Module:
@@ -92,7 +94,7 @@ def _record(impl, shape, layout, world_size, ms):
     }
 
 
-def local_records(iters: int, repeats: int) -> list[dict]:
+def local_records(iters: int, repeats: int, sample_ms: float) -> list[dict]:
     """torch.nn.BatchNorm2d and the reference in one process, interleaved, best of repeats."""
     records = []
     for shape in SHAPES:
@@ -101,11 +103,13 @@ def local_records(iters: int, repeats: int) -> list[dict]:
             impls = (TORCH, REFERENCE, *_fused_impls(FUSED))
             layers = {impl: _layer(impl, shape[1]) for impl in impls}
             best = dict.fromkeys(layers, float("inf"))
-            for layer in layers.values():
-                _time_ms(layer, x, grad, 2)  # warm-up
+            # Warm-up, which also sizes each measurement to >= SAMPLE_MS (small shapes take
+            # more steps per sample, so that one slow step moves a sample less).
+            warm_ms = min(_time_ms(layer, x, grad, 2) for layer in layers.values())
+            steps = max(iters, min(MAX_STEPS, math.ceil(sample_ms / warm_ms)))
             for _ in range(repeats):
                 for impl, layer in layers.items():
-                    best[impl] = min(best[impl], _time_ms(layer, x, grad, iters))
+                    best[impl] = min(best[impl], _time_ms(layer, x, grad, steps))
             records += [_record(impl, shape, layout, 1, ms) for impl, ms in best.items()]
     return records
 
@@ -216,9 +220,9 @@ def main() -> None:
     print(f"threads {args.threads}, allocator: {allocator}")
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    iters, repeats = (3, 3) if args.quick else (10, 5)
+    iters, repeats, sample_ms = (3, 3, 0.0) if args.quick else (10, 9, 40.0)
 
-    records = local_records(iters, repeats)
+    records = local_records(iters, repeats, sample_ms)
     if not args.no_dist:
         records += distributed_records(iters, repeats)
     print_time_table(records)
