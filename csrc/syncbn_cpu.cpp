@@ -207,6 +207,11 @@ std::pair<A, A> plane_stats(const T* base, int64_t n, int64_t S, int64_t ld,
   return {pivot + total.mean, total.m2};
 }
 
+// Offset of plane task i's first value (slice i / C, channel i % C) in ChannelsFirst x.
+inline int64_t plane_offset(const Geometry& g, int64_t i) {
+  return ((i / g.C) * g.n * g.C + i % g.C) * g.S;
+}
+
 // How the rows of one slice are cut into chunks for the row loops.
 struct RowPlan {
   int64_t W = 0;               // values per row
@@ -255,9 +260,7 @@ std::tuple<Tensor, Tensor, Tensor> local_stats_cpu(const Tensor& x_in, int64_t d
         const int64_t block = std::min(S, kColumnBlock);
         std::vector<A> cmean(block), cm2(block);
         for (int64_t i = begin; i < end; ++i) {
-          const int64_t d = i / C, c = i % C;
-          std::tie(mp[i], m2p[i]) =
-              plane_stats(xp + (d * n * C + c) * S, n, S, C * S, cmean, cm2);
+          std::tie(mp[i], m2p[i]) = plane_stats(xp + plane_offset(g, i), n, S, C * S, cmean, cm2);
         }
       });
       return;
@@ -491,7 +494,7 @@ void forward_loops(const Prepared& p, const Coefficients<A>& k, Tensor& y) {
   if (use_planes(g, p.layout)) {
     at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t c = i % C, off = ((i / C) * g.n * C + c) * S;
+        const int64_t c = i % C, off = plane_offset(g, i);
         affine_planes<scalar_t, A, RELU>(xp + off, yp + off, g.n, S, C * S, k.mean[i],
                                          k.scale[i], k.shift[c]);
       }
@@ -627,10 +630,9 @@ void backward_reduce_loops(const Prepared& p, const Tensor& dy, const Coefficien
       const int64_t block = std::min(S, kColumnBlock);
       std::vector<A> sdy(block), sdyx(block);
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t d = i / C, c = i % C;
-        const int64_t off = (d * n * C + c) * S;
+        const int64_t off = plane_offset(g, i);
         std::tie(sum_dy[i], sum_dy_xhat[i]) =
-            plane_grad_sums<RELU>(gp + off, xp + off, n, S, C * S, k, i, c, sdy, sdyx);
+            plane_grad_sums<RELU>(gp + off, xp + off, n, S, C * S, k, i, i % C, sdy, sdyx);
       }
     });
     return;
@@ -755,7 +757,7 @@ void backward_elemt_loops(const Prepared& p, const Tensor& dy, const Coefficient
   if (use_planes(g, p.layout)) {
     at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t c = i % C, off = ((i / C) * g.n * C + c) * S;
+        const int64_t c = i % C, off = plane_offset(g, i);
         dx_planes<scalar_t, A, RELU>(gp + off, xp + off, op + off, g.n, S, C * S, k.mean[i],
                                      k.scale[i], k.shift[c], kx[i], k0[i]);
       }
@@ -988,8 +990,7 @@ void fused_forward_planes(const Tensor& x, const Tensor& weight, const Tensor& b
     const int64_t block = std::min(S, kColumnBlock);
     std::vector<A> cmean(block), cm2(block);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t d = i / C, c = i % C;
-      const int64_t off = (d * n * C + c) * S;
+      const int64_t c = i % C, off = plane_offset(g, i);
       const auto [mu, m2] = plane_stats(xp + off, n, S, C * S, cmean, cm2);
       const A scale = out.finish(i, c, mu, m2);
       affine_planes<scalar_t, A, RELU>(xp + off, yp + off, n, S, C * S, mu, scale,
@@ -1070,8 +1071,7 @@ void fused_backward_planes(const Prepared& p, const Tensor& dy, const Coefficien
     const int64_t block = std::min(S, kColumnBlock);
     std::vector<A> sdy(block), sdyx(block);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t c = i % C;
-      const int64_t off = ((i / C) * n * C + c) * S;
+      const int64_t c = i % C, off = plane_offset(g, i);
       std::tie(sum_dy[i], sum_dy_xhat[i]) =
           plane_grad_sums<RELU>(gp + off, xp + off, n, S, C * S, k, i, c, sdy, sdyx);
       if (!input_grad) continue;
