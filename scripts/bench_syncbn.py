@@ -4,6 +4,7 @@ Not a test: it prints ratios measured side by side in one run (the implementatio
 interleaved and the best of several repeats is kept, so background load hits all alike).
 
     python scripts/bench_syncbn.py [--quick] [--json FILE] [--no-dist] [--system-malloc]
+                                   [--threads N] [--clock wall|thread]
 
 Allocator: every step allocates fresh outputs of 2-8 MB. With glibc's default tunables its
 dynamic mmap threshold makes such blocks come back from the kernel (zeroed page by page) in
@@ -74,13 +75,17 @@ def _inputs(shape, layout):
     return x.requires_grad_(), grad
 
 
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+_clock = time.perf_counter
+
+
 def _time_ms(layer, x, grad, iters: int) -> float:
-    """Mean milliseconds of forward + backward over ``iters`` steps."""
-    start = time.perf_counter()
+    """Mean milliseconds of forward + backward over ``iters`` steps, on the chosen clock."""
+    start = _clock()
     for _ in range(iters):
         x.grad = None
         layer(x).backward(grad)
-    return (time.perf_counter() - start) / iters * 1e3
+    return (_clock() - start) / iters * 1e3
 
 
 def _record(impl, shape, layout, world_size, ms):
@@ -91,6 +96,7 @@ def _record(impl, shape, layout, world_size, ms):
         "layout": layout,
         "world_size": world_size,
         "fwd_bwd_ms": round(ms, 3),
+        "clock": next(name for name, clock in CLOCKS.items() if clock is _clock),
     }
 
 
@@ -214,10 +220,24 @@ def main() -> None:
     parser.add_argument(
         "--system-malloc", action="store_true", help="keep glibc's default allocator tunables"
     )
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall time, or the CPU time of the timing thread (one thread, no gloo rows: "
+        "less disturbed by a busy host, blind to waits)",
+    )
     args = parser.parse_args()
+    if args.clock == "thread" and (args.threads != 1 or not args.no_dist):
+        parser.error(
+            "--clock thread counts only the calling thread's CPU time: use it with "
+            "--threads 1 --no-dist"
+        )
     _fixed_allocator(args)
     allocator = "glibc defaults" if args.system_malloc else "glibc, mmap threshold fixed"
-    print(f"threads {args.threads}, allocator: {allocator}")
+    print(f"threads {args.threads}, allocator: {allocator}, clock: {args.clock}")
+    global _clock
+    _clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     iters, repeats, sample_ms = (3, 3, 0.0) if args.quick else (10, 9, 40.0)
