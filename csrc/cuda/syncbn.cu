@@ -278,11 +278,11 @@ int64_t next_pow2(int64_t v) {
 ReducePlan reduce_plan(const Geometry& g, Layout layout) {
   ReducePlan plan;
   const int64_t target_blocks = 4 * static_cast<int64_t>(sm_count());
-  plan.planes = layout == Layout::ChannelsFirst && g.S >= kPlaneMin;
+  // Channels go to gridDim.y in the plane shape (at most 65535); more channels take the rows
+  // shape, which is correct for ChannelsFirst input too. Slices go to gridDim.z in both.
+  TORCH_CHECK(g.slices <= 65535, "syncbn_lab (CUDA): at most 65535 slices, got ", g.slices);
+  plan.planes = layout == Layout::ChannelsFirst && g.S >= kPlaneMin && g.C <= 65535;
   if (plan.planes) {
-    TORCH_CHECK(g.C <= 65535 && g.slices <= 65535,
-                "syncbn_lab (CUDA): at most 65535 channels and slices, got ", g.C, " and ",
-                g.slices);
     const int64_t tx = std::min<int64_t>(kThreads, std::max<int64_t>(kWarp, next_pow2(g.S)));
     const int64_t ty = kThreads / tx;
     plan.W = g.C;
@@ -293,7 +293,6 @@ ReducePlan reduce_plan(const Geometry& g, Layout layout) {
     plan.block = dim3(tx, ty);
     return plan;
   }
-  TORCH_CHECK(g.slices <= 65535, "syncbn_lab (CUDA): at most 65535 slices, got ", g.slices);
   plan.W = layout == Layout::ChannelsLast ? g.C : g.C * g.S;
   plan.rows = (layout == Layout::ChannelsLast ? g.S : 1) * g.n;
   const int64_t tx = std::min<int64_t>(kWarp, next_pow2(plan.W));
@@ -360,6 +359,9 @@ std::tuple<Tensor, Tensor, Tensor> merge_stats_cuda(const Tensor& count_in, cons
   TORCH_CHECK(mean_in.scalar_type() == at::kFloat || mean_in.scalar_type() == at::kDouble,
               "syncbn_lab::merge_stats: expected float32 or float64 statistics, got ",
               mean_in.scalar_type());
+  TORCH_CHECK(count_in.device() == mean_in.device() && m2_in.device() == mean_in.device(),
+              "syncbn_lab::merge_stats: count, mean and m2 must be on one device, got ",
+              count_in.device(), ", ", mean_in.device(), " and ", m2_in.device());
   const c10::cuda::CUDAGuard guard(mean_in.device());
   const int64_t C = mean_in.size(-1), K = mean_in.size(-2);
   const int64_t B = c10::multiply_integers(mean_in.sizes().slice(0, mean_in.dim() - 2));
@@ -372,7 +374,7 @@ std::tuple<Tensor, Tensor, Tensor> merge_stats_cuda(const Tensor& count_in, cons
   stat_shape.push_back(C);
   Tensor mean_out = at::empty(stat_shape, mean_in.options());
   Tensor m2_out = at::empty(stat_shape, mean_in.options());
-  Tensor count_out = count_in.sum(-1);
+  Tensor count_out = count.sum(-1).to(count_in.scalar_type());  // count's dtype, as on the CPU
   if (B * C == 0) return {count_out, mean_out, m2_out};
   AT_DISPATCH_FLOATING_TYPES(acc, "merge_stats_cuda", [&] {
     merge_kernel<scalar_t, scalar_t>
@@ -650,6 +652,8 @@ std::tuple<Tensor, Tensor> backward_reduce_cuda(const Tensor& dy_in, const Tenso
               "syncbn_lab::backward_reduce: dy must have the shape and dtype of x, got ",
               dy_in.sizes(), " ", dy_in.scalar_type(), " and ", x_in.sizes(), " ",
               x_in.scalar_type());
+  TORCH_CHECK(dy_in.device() == x_in.device(), "syncbn_lab::backward_reduce: dy must be on ",
+              x_in.device(), ", got ", dy_in.device());
   const c10::cuda::CUDAGuard guard(x_in.device());
   const Prepared p = prepare(x_in, mean, invstd, weight, bias, "backward_reduce");
   const Tensor dy = as_layout(dy_in, p.layout);
@@ -707,6 +711,8 @@ Tensor backward_elemt_cuda(const Tensor& dy_in, const Tensor& x_in, const Tensor
               "syncbn_lab::backward_elemt: dy must have the shape and dtype of x, got ",
               dy_in.sizes(), " ", dy_in.scalar_type(), " and ", x_in.sizes(), " ",
               x_in.scalar_type());
+  TORCH_CHECK(dy_in.device() == x_in.device(), "syncbn_lab::backward_elemt: dy must be on ",
+              x_in.device(), ", got ", dy_in.device());
   const c10::cuda::CUDAGuard guard(x_in.device());
   const Prepared p = prepare(x_in, mean, invstd, weight, bias, "backward_elemt");
   TORCH_CHECK(sum_dy.sizes() == mean.sizes() && sum_dy_xhat.sizes() == mean.sizes(),

@@ -125,6 +125,38 @@ def test_cuda_merge_stats():
     torch.testing.assert_close(merged_m2.cpu(), ((union - union.mean(0)) ** 2).sum(0))
 
 
+def test_cuda_merge_stats_keeps_the_count_dtype_and_one_device():
+    count = torch.tensor([[3, 0, 2]], dtype=torch.int32)
+    mean, m2 = torch.randn(1, 3, 4), torch.rand(1, 3, 4)
+    cpu = ops.merge_stats(count, mean, m2)
+    gpu = ops.merge_stats(count.cuda(), mean.cuda(), m2.cuda())
+    assert gpu[0].dtype == cpu[0].dtype == torch.int32
+    for a, b in zip(gpu, cpu, strict=True):
+        torch.testing.assert_close(a.cpu(), b)
+    with pytest.raises(RuntimeError, match="one device"):
+        ops.merge_stats(count, mean.cuda(), m2.cuda())
+
+
+def test_cuda_dy_on_another_device_raises():
+    x, w, b, dy = make_cuda_inputs((4, 3, 6, 6), torch.float32, "contiguous")
+    mean, invstd = torch.zeros(1, 3, device="cuda"), torch.ones(1, 3, device="cuda")
+    with pytest.raises(RuntimeError, match="dy must be on"):
+        ops.backward_reduce(dy.cpu(), x, mean, invstd)
+    sums = torch.zeros(1, 3, device="cuda")
+    count = torch.full((1,), 144.0, device="cuda")
+    with pytest.raises(RuntimeError, match="dy must be on"):
+        ops.backward_elemt(dy.cpu(), x, mean, invstd, None, None, sums, sums, count)
+
+
+def test_cuda_more_channels_than_a_grid_dimension():
+    """C > 65535 with NCHW planes runs the rows shape (gridDim.y holds at most 65535)."""
+    x = torch.randn(2, 70000, 32, device="cuda")
+    count, mean, m2 = ops.local_stats(x, 1)
+    cpu = ops.local_stats(x.cpu(), 1)
+    torch.testing.assert_close(mean.cpu(), cpu[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(m2.cpu(), cpu[2], atol=1e-4, rtol=1e-5)
+
+
 def test_cuda_runs_on_the_current_stream():
     x, w, b, dy = make_cuda_inputs((16, 8, 8, 8), torch.float32, "contiguous")
     expected = ops.batch_norm_train(x, w, b, 1, 1, 1e-5, False).y
