@@ -128,16 +128,19 @@ def test_device_slices_and_groups(devices, group_size, layout):
     "shape,layout",
     [
         ((4, 24, 80, 80), "channels_last"),
+        ((4, 24, 64, 64), "channels_last"),
         ((640, 64, 4, 4), "contiguous"),
         ((16, 96, 8, 8), "contiguous"),
     ],
-    ids=["channels_last", "small_planes", "short_planes"],
+    ids=["channels_last", "channels_last_3mb", "small_planes", "short_planes"],
 )
 def test_groups_larger_than_the_single_pass_block(shape, layout, group_size, relu):
     """Loop shapes no other test reaches. Groups of more than kBlockBytes (1 MB) run the
-    two-pass composite, whose elementwise passes walk each thread's rows back to front in
-    pieces that cross slice boundaries; the backward of NCHW planes shorter than a page
-    (short_planes) runs as rows in column blocks of whole channels, the last one narrower."""
+    two-pass composite, whose elementwise passes walk each thread's rows in pieces that cross
+    slice boundaries, back to front up to 4 MB of input (the forward passes here; the
+    backward of channels_last_3mb) and front to back beyond; the backward of NCHW planes
+    shorter than a page (short_planes) runs as rows in column blocks of whole channels, the
+    last one narrower."""
     x, w, b, dy = make_inputs(shape, torch.float32, layout, seed=group_size)
     fused = run_fused(x, w, b, dy, devices=2, group_size=group_size, relu=relu)
     ref = reference_with_grads(x, w, b, dy, groups=2 // group_size, relu=relu)
