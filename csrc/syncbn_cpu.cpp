@@ -860,7 +860,7 @@ Tensor backward_elemt_cpu(const Tensor& dy_in, const Tensor& x_in, const Tensor&
 // ---------------------------------------------------------------------------------------
 
 constexpr int64_t kBlockBytes = 1 << 20;  // input bytes of a single-pass rows group (in L2)
-constexpr int64_t kPageBytes = 4096;
+constexpr int64_t kPageBytes = 4096;  // shortest run of a row a column block may read
 constexpr int64_t kColumnBlockBytes = 1 << 18;  // input bytes of one column block (in L2)
 
 // Columns per block of the single-pass rows loops, 0 when they do not apply. A block is
@@ -1011,8 +1011,9 @@ void fused_backward_rows(const Prepared& p, const Tensor& dy, const Coefficients
                                         scale.data(), shift.data(), sdy.data(), sdyx.data());
       for (int64_t w = 0; w < B; w += per) {
         const int64_t i = d * C + (w0 + w) / per;
-        sum_dy[i] = lane_sum(sdy.data() + w, per);
-        sum_dy_xhat[i] = lane_sum(sdyx.data() + w, per) * k.invstd[i];
+        // A channel's per columns (1 for channels_last, S for NCHW column blocks).
+        sum_dy[i] = per == 1 ? sdy[w] : lane_sum(sdy.data() + w, per);
+        sum_dy_xhat[i] = (per == 1 ? sdyx[w] : lane_sum(sdyx.data() + w, per)) * k.invstd[i];
         // The column sums are spent: their buffers now hold dx's coefficients per column.
         const auto [kx, k0] = dx_coefficients(k, i, sum_dy[i], sum_dy_xhat[i], inv_m);
         std::fill_n(sdyx.begin() + w, per, kx);
