@@ -11,6 +11,8 @@ BatchNorm over the union of the ranks' batches.
 from __future__ import annotations
 
 import collections
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -330,9 +332,27 @@ def _auto_step(layer):
 @needs_ext
 def test_auto_takes_the_fused_kernels_and_says_so_once(calls, fresh_announcements):
     messages = _auto_step(SyncBatchNorm(C))
-    assert messages == ["syncbn_lab: bn impl auto -> fused kernels (syncbn_lab._C)"]
+    assert messages == ["bn impl auto -> fused kernels (syncbn_lab._C)"]
     assert calls["batch_norm_train"] == 2 and "reference" not in calls
     assert _auto_step(BatchNorm(C)) == []  # once per process, not per layer
+
+
+@needs_ext
+def test_auto_says_which_in_one_line_on_stderr():
+    script = (
+        "import torch\n"
+        "from syncbn_lab.nn import SyncBatchNorm\n"
+        "layer = SyncBatchNorm(3)\n"
+        "layer(torch.randn(4, 3, 2, 2)).sum().backward()\n"
+        "layer(torch.randn(4, 3, 2, 2)).sum().backward()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "syncbn_lab:0: UserWarning: bn impl auto -> fused kernels (syncbn_lab._C)"
+    ]
 
 
 def test_auto_falls_back_to_the_reference_and_says_why_once(
@@ -340,9 +360,7 @@ def test_auto_falls_back_to_the_reference_and_says_why_once(
 ):
     _pretend_not_built(monkeypatch)
     messages = _auto_step(SyncBatchNorm(C))
-    assert messages == [
-        "syncbn_lab: bn impl auto -> reference (extension not built: ImportError: pretend)"
-    ]
+    assert messages == ["bn impl auto -> reference (extension not built: ImportError: pretend)"]
     assert calls == {"reference": 2}
 
 

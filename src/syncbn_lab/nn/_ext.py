@@ -10,10 +10,11 @@ from __future__ import annotations
 import importlib
 import os
 import threading
-import warnings
 from pathlib import Path
 
 import torch
+
+from syncbn_lab.errors import warn_one_line
 
 __all__ = ["available", "has_cuda_kernels", "load", "unavailable_reason"]
 
@@ -62,11 +63,10 @@ def available(warn: bool = True) -> bool:
         return True
     if warn and not _warned:
         _warned = True
-        warnings.warn(
+        warn_one_line(
             f"syncbn_lab._C is not built ({_reason}); using the reference implementation. "
             "Build it with `make build-ext`.",
             RuntimeWarning,
-            stacklevel=2,
         )
     return False
 

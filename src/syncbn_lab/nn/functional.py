@@ -27,13 +27,13 @@ invstd = 1/sqrt(var + eps), xhat = (x - mu) * invstd, y = gamma * xhat + beta.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from syncbn_lab.errors import warn_one_line
 from syncbn_lab.nn import _ext, ops
 from syncbn_lab.nn.comm import Communicator
 
@@ -165,7 +165,7 @@ def _announce(choice: str) -> None:
     if choice in _announced or torch.compiler.is_compiling():  # Dynamo cannot trace warn
         return
     _announced.add(choice)
-    warnings.warn(f"syncbn_lab: bn impl auto -> {choice}", UserWarning, stacklevel=4)
+    warn_one_line(f"bn impl auto -> {choice}")
 
 
 def _auto_batch_norm(x: Tensor, *args) -> Tensor:
