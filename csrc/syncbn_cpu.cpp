@@ -854,9 +854,10 @@ Tensor backward_elemt_cpu(const Tensor& dy_in, const Tensor& x_in, const Tensor&
 // x in the forward and over x and dy in the backward.
 //   planes: one task per (group, channel).
 //   rows:   one task per (group, block of whole channels) when the group's rows fit in
-//           kBlockBytes (see block_width); otherwise the CPU primitives are called one
-//           after the other (same row chunks, so a thread's second pass finds some of its
-//           rows in its cache).
+//           kBlockBytes (see block_width), and for the backward of NCHW planes shorter than
+//           a page (see column_block_width); otherwise the CPU primitives are called one
+//           after the other (see for_slice_pieces for how the second pass finds some of the
+//           rows in cache).
 // ---------------------------------------------------------------------------------------
 
 constexpr int64_t kBlockBytes = 1 << 20;  // input bytes of a single-pass rows group (in L2)
@@ -993,6 +994,8 @@ void fused_backward_rows(const Prepared& p, const Tensor& dy, const Coefficients
   const int64_t C = p.g.C, W = plan.W, per = W / C, rows = plan.rows_per_slice;
   const int64_t blocks = (W + width - 1) / width;
   const A inv_m = A(1) / A(rows * per);
+  // A channel's sum over its per columns (1 for channels_last, S for NCHW column blocks).
+  const auto channel_sum = [per](const A* v) { return per == 1 ? v[0] : lane_sum(v, per); };
   at::parallel_for(0, p.g.slices * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> mean(width), scale(width), shift(width), sdy(width), sdyx(width);
     for (int64_t task = begin; task < end; ++task) {
@@ -1011,9 +1014,8 @@ void fused_backward_rows(const Prepared& p, const Tensor& dy, const Coefficients
                                         scale.data(), shift.data(), sdy.data(), sdyx.data());
       for (int64_t w = 0; w < B; w += per) {
         const int64_t i = d * C + (w0 + w) / per;
-        // A channel's per columns (1 for channels_last, S for NCHW column blocks).
-        sum_dy[i] = per == 1 ? sdy[w] : lane_sum(sdy.data() + w, per);
-        sum_dy_xhat[i] = (per == 1 ? sdyx[w] : lane_sum(sdyx.data() + w, per)) * k.invstd[i];
+        sum_dy[i] = channel_sum(sdy.data() + w);
+        sum_dy_xhat[i] = channel_sum(sdyx.data() + w) * k.invstd[i];
         // The column sums are spent: their buffers now hold dx's coefficients per column.
         const auto [kx, k0] = dx_coefficients(k, i, sum_dy[i], sum_dy_xhat[i], inv_m);
         std::fill_n(sdyx.begin() + w, per, kx);

@@ -109,7 +109,7 @@ def local_records(iters: int, repeats: int, sample_ms: float) -> list[dict]:
             impls = (TORCH, REFERENCE, *_fused_impls(FUSED))
             layers = {impl: _layer(impl, shape[1]) for impl in impls}
             best = dict.fromkeys(layers, float("inf"))
-            # Warm-up, which also sizes each measurement to >= SAMPLE_MS (small shapes take
+            # Warm-up, which also sizes each measurement to >= sample_ms (small shapes take
             # more steps per sample, so that one slow step moves a sample less).
             warm_ms = min(_time_ms(layer, x, grad, 2) for layer in layers.values())
             steps = max(iters, min(MAX_STEPS, math.ceil(sample_ms / warm_ms)))
