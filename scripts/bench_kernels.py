@@ -11,8 +11,9 @@ so the minimum estimates the uncontended cost; --stat median reports medians ins
   formula   = the same formulas with autograd through plain torch ops (for scale).
 Targets: fused <= 1.0x torch_bn, reference >= 3x fused.
 
-GPU (when a GPU and the CUDA kernels are present): fused vs cuDNN BatchNorm2d (target <= 1.1x),
-the effective bandwidth of each kernel (bytes that must move / time) against a device copy
+GPU (when a GPU and the CUDA kernels are present), timed with CUDA events: fused (the op plus
+the running-stat update, as above) and module (syncbn_lab's SyncBatchNorm with impl="fused")
+vs cuDNN BatchNorm2d (target <= 1.1x), the effective bandwidth of each kernel (bytes that must move / time) against a device copy
 of the same tensor (target >= 80 % on >= 256 MB), and BN+ReLU fused vs BN then ReLU
 (target >= 1.25x).
 
@@ -37,6 +38,7 @@ CPU_SHAPES = [(64, 64, 32, 32), (32, 256, 8, 8)]
 GPU_SHAPES = [(64, 64, 32, 32), (32, 256, 8, 8), (128, 64, 56, 56)]
 BANDWIDTH_SHAPE = (64, 256, 64, 64)  # 256 MiB in float32
 EPS = 1e-5
+GPU = "cuda"  # the device of the GPU section
 
 
 def layout_of(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -63,6 +65,12 @@ class Layer:
             self.running_mean.lerp_(out.mean[0], 0.1)
             self.running_var.lerp_(out.var[0] * (count / (count - 1)), 0.1)
         return out.y
+
+    def module(self) -> torch.nn.Module:
+        """syncbn_lab's SyncBatchNorm on the fused kernels (what `bn=sync` trains with)."""
+        from syncbn_lab.nn import SyncBatchNorm
+
+        return SyncBatchNorm(self.weight.numel(), impl="fused").to(self.weight.device)
 
     def torch(self, x: torch.Tensor) -> torch.Tensor:
         return self.torch_bn(x)
@@ -103,23 +111,40 @@ STAT = {"min": min, "median": statistics.median}
 stat = min
 
 
+def host_timer(run: Callable[[], None], inner: int) -> float:
+    """ms per call by the host clock (CPU work)."""
+    start = time.perf_counter()
+    for _ in range(inner):
+        run()
+    return (time.perf_counter() - start) * 1e3 / inner
+
+
+def cuda_timer(run: Callable[[], None], inner: int) -> float:
+    """ms per call by CUDA events on the current stream, after the GPU has drained."""
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(inner):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / inner
+
+
 def time_side_by_side(
-    runs: dict[str, Callable[[], None]], rounds: int, sync: Callable[[], None], inner: int = 1
+    runs: dict[str, Callable[[], None]],
+    rounds: int,
+    timer: Callable[[Callable[[], None], int], float] = host_timer,
+    inner: int = 1,
 ) -> dict[str, float]:
     """ms per call of each run (min or median over rounds), interleaved round by round."""
     for run in runs.values():  # warm-up
-        for _ in range(2):
-            run()
-    sync()
+        timer(run, 2)
     samples: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
-            sync()
-            start = time.perf_counter()
-            for _ in range(inner):
-                run()
-            sync()
-            samples[name].append((time.perf_counter() - start) * 1e3 / inner)
+            samples[name].append(timer(run, inner))
     return {name: stat(v) for name, v in samples.items()}
 
 
@@ -144,7 +169,7 @@ def cpu_section(rounds: int, records: list[dict]) -> None:
                 "reference": fwd_bwd(layer.reference, x, dy),
                 "formula": fwd_bwd(layer.formula, x, dy),
             }
-            ms = time_side_by_side(runs, rounds, lambda: None)
+            ms = time_side_by_side(runs, rounds)
             print(
                 f"{str(shape):>18} {layout:>13} {ms['torch_bn']:9.2f} {ms['fused']:8.2f} "
                 f"{ms['reference']:10.2f} {ms['formula']:8.2f} "
@@ -166,27 +191,28 @@ def cpu_section(rounds: int, records: list[dict]) -> None:
 
 def gpu_case(shape, dtype, layout: str, rounds: int) -> dict[str, float]:
     torch.manual_seed(0)
-    layer = Layer(shape[1], "cuda")
-    x = layout_of(torch.randn(shape, device="cuda", dtype=dtype), layout).requires_grad_()
-    dy = layout_of(torch.randn(shape, device="cuda", dtype=dtype), layout)
+    layer = Layer(shape[1], GPU)
+    x = layout_of(torch.randn(shape, device=GPU, dtype=dtype), layout).requires_grad_()
+    dy = layout_of(torch.randn(shape, device=GPU, dtype=dtype), layout)
     runs = {
         "cudnn_bn": fwd_bwd(layer.torch, x, dy),
         "fused": fwd_bwd(layer.fused, x, dy),
+        "module": fwd_bwd(layer.module(), x, dy),
         "cudnn_bn_relu": fwd_bwd(layer.torch_relu, x, dy),
         "fused_relu": fwd_bwd(lambda t: layer.fused(t, relu=True), x, dy),
     }
-    return time_side_by_side(runs, rounds, torch.cuda.synchronize, inner=5)
+    return time_side_by_side(runs, rounds, cuda_timer, inner=5)
 
 
 def bandwidth_case(shape, layout: str, rounds: int) -> dict[str, tuple[float, int]]:
     """ms and bytes that must move, per kernel and for a device copy of the same tensor."""
     from syncbn_lab.nn import ops
 
-    x = layout_of(torch.randn(shape, device="cuda"), layout)
-    dy = layout_of(torch.randn(shape, device="cuda"), layout)
+    x = layout_of(torch.randn(shape, device=GPU), layout)
+    dy = layout_of(torch.randn(shape, device=GPU), layout)
     out = torch.empty_like(x)
-    w = torch.ones(shape[1], device="cuda")
-    b = torch.zeros(shape[1], device="cuda")
+    w = torch.ones(shape[1], device=GPU)
+    b = torch.zeros(shape[1], device=GPU)
     count, mean, m2 = ops.local_stats(x, 1)
     invstd = torch.rsqrt(m2 / count[:, None] + EPS)
     sums = ops.backward_reduce(dy, x, mean, invstd, w, b)
@@ -201,8 +227,7 @@ def bandwidth_case(shape, layout: str, rounds: int) -> dict[str, tuple[float, in
             3 * size,
         ),
     }
-    sync = torch.cuda.synchronize
-    ms = time_side_by_side({k: v[0] for k, v in kernels.items()}, rounds, sync, inner=5)
+    ms = time_side_by_side({k: v[0] for k, v in kernels.items()}, rounds, cuda_timer, inner=5)
     return {k: (ms[k], nbytes) for k, (_, nbytes) in kernels.items()}
 
 
@@ -211,7 +236,8 @@ def gpu_section(rounds: int, records: list[dict]) -> None:
     print(f"\nGPU ({name}), forward+backward, {stat.__name__} ms per call")
     header = (
         f"{'shape':>18} {'dtype':>9} {'layout':>13} {'cudnn_bn':>9} {'fused':>8} "
-        f"{'fused/cudnn':>12} {'bn+relu':>8} {'fused_relu':>10} {'relu gain':>10}"
+        f"{'fused/cudnn':>12} {'module':>8} {'module/cudnn':>13} {'bn+relu':>8} "
+        f"{'fused_relu':>10} {'relu gain':>10}"
     )
     print(header)
     print("-" * len(header))
@@ -222,6 +248,7 @@ def gpu_section(rounds: int, records: list[dict]) -> None:
                 print(
                     f"{str(shape):>18} {str(dtype)[6:]:>9} {layout:>13} {ms['cudnn_bn']:9.3f} "
                     f"{ms['fused']:8.3f} {ms['fused'] / ms['cudnn_bn']:11.2f}x "
+                    f"{ms['module']:8.3f} {ms['module'] / ms['cudnn_bn']:12.2f}x "
                     f"{ms['cudnn_bn_relu']:8.3f} {ms['fused_relu']:10.3f} "
                     f"{ms['cudnn_bn_relu'] / ms['fused_relu']:9.2f}x"
                 )
