@@ -13,9 +13,9 @@ Targets: fused <= 1.0x torch_bn, reference >= 3x fused.
 
 GPU (when a GPU and the CUDA kernels are present), timed with CUDA events: fused (the op plus
 the running-stat update, as above) and module (syncbn_lab's SyncBatchNorm with impl="fused")
-vs cuDNN BatchNorm2d (target <= 1.1x), the effective bandwidth of each kernel (bytes that must move / time) against a device copy
-of the same tensor (target >= 80 % on >= 256 MB), and BN+ReLU fused vs BN then ReLU
-(target >= 1.25x).
+vs cuDNN BatchNorm2d (target <= 1.1x), the effective bandwidth of each kernel (bytes that must
+move / time) against a device copy of the same tensor (target >= 80 % on >= 256 MB), and
+BN+ReLU fused vs BN then ReLU (target >= 1.25x).
 
     python scripts/bench_kernels.py [--rounds 21] [--threads N] [--stat min|median]
                                     [--no-cpu] [--no-gpu] [--json FILE]
