@@ -113,6 +113,10 @@ def extension_setup() -> dict:
         # libgomp.so.1 then resolves to the copy torch has already loaded.
         cxx_flags.append("-fopenmp")
         link_flags.append("-fopenmp")
+        # libstdc++ shared, as torch has it: a compiler wrapper that links it statically (one
+        # CUDA image's /opt/gcc/bin/g++ does) gave a module whose C++ exceptions (every
+        # TORCH_CHECK) crashed the process instead of raising RuntimeError.
+        link_flags.append("-lstdc++")
     sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)

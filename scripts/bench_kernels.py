@@ -189,19 +189,43 @@ def cpu_section(rounds: int, records: list[dict]) -> None:
                 )
 
 
-def gpu_case(shape, dtype, layout: str, rounds: int) -> dict[str, float]:
+def gpu_runs(shape, dtype, layout: str) -> dict[str, Callable[[], None]]:
     torch.manual_seed(0)
     layer = Layer(shape[1], GPU)
     x = layout_of(torch.randn(shape, device=GPU, dtype=dtype), layout).requires_grad_()
     dy = layout_of(torch.randn(shape, device=GPU, dtype=dtype), layout)
-    runs = {
+    return {
         "cudnn_bn": fwd_bwd(layer.torch, x, dy),
         "fused": fwd_bwd(layer.fused, x, dy),
         "module": fwd_bwd(layer.module(), x, dy),
         "cudnn_bn_relu": fwd_bwd(layer.torch_relu, x, dy),
         "fused_relu": fwd_bwd(lambda t: layer.fused(t, relu=True), x, dy),
     }
-    return time_side_by_side(runs, rounds, cuda_timer, inner=5)
+
+
+def gpu_case(shape, dtype, layout: str, rounds: int) -> dict[str, float]:
+    return time_side_by_side(gpu_runs(shape, dtype, layout), rounds, cuda_timer, inner=5)
+
+
+def launch_profile(runs: dict[str, Callable[[], None]], steps: int = 20) -> dict[str, tuple]:
+    """(device operations per step, their summed µs per step, event-timed µs per step).
+
+    Where the operations' time is far below the step's, the GPU waits for the host to launch
+    them: the step is bound by launch overhead, not by the kernels.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    result = {}
+    for name, run in runs.items():
+        wall_us = 1e3 * cuda_timer(run, steps)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                run()
+            torch.cuda.synchronize()
+        ops_ = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy_us = sum(e.time_range.elapsed_us() for e in ops_)
+        result[name] = (len(ops_) / steps, busy_us / steps, wall_us)
+    return result
 
 
 def bandwidth_case(shape, layout: str, rounds: int) -> dict[str, tuple[float, int]]:
@@ -263,6 +287,31 @@ def gpu_section(rounds: int, records: list[dict]) -> None:
                             "fwd_bwd_ms": round(value, 4),
                         }
                     )
+
+    print("\nGPU operations per forward+backward step (torch.profiler), float32")
+    print(f"{'shape':>18} {'layout':>13} {'impl':>13} {'ops':>5} {'busy us':>8} {'step us':>8}")
+    for shape in (GPU_SHAPES[0], GPU_SHAPES[-1]):
+        for layout in ("contiguous", "channels_last"):
+            try:
+                prof = launch_profile(gpu_runs(shape, torch.float32, layout))
+            except Exception as error:  # noqa: BLE001 - a profiler problem must not end the run
+                print(f"launch profile failed: {type(error).__name__}: {error}")
+                break
+            for impl, (n_ops, busy, wall) in prof.items():
+                row = f"{str(shape):>18} {layout:>13} {impl:>13}"
+                print(f"{row} {n_ops:5.0f} {busy:8.1f} {wall:8.1f}")
+                records.append(
+                    {
+                        "section": "gpu_launches",
+                        "impl": impl,
+                        "shape": list(shape),
+                        "dtype": "float32",
+                        "layout": layout,
+                        "ops_per_step": n_ops,
+                        "busy_us": round(busy, 2),
+                        "step_us": round(wall, 2),
+                    }
+                )
 
     # Effective bandwidth of each kernel against a device-to-device copy of the same tensor.
     shape = BANDWIDTH_SHAPE

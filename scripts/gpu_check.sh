@@ -63,7 +63,7 @@ sanitizer_rc=-2  # -2: not run (no build); -1: compute-sanitizer not installed
 if [ "$build_ok" = 1 ]; then
   echo "== tests (CUDA and CPU kernels)"
   # --noconftest: tests/conftest.py composes Hydra configs, which these tests do not need.
-  timeout 100 "$PYTHON" -m pytest -q --noconftest -p no:cacheprovider tests/ops \
+  timeout 150 "$PYTHON" -m pytest -q --noconftest -p no:cacheprovider tests/ops \
     -m "not slow or cuda" --junitxml="$OUT_DIR/pytest.xml" >"$OUT_DIR/pytest.log" 2>&1
   test_rc=$?
   tail -3 "$OUT_DIR/pytest.log"

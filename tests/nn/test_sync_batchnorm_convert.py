@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from syncbn_lab.nn import BatchNorm, SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from syncbn_lab.nn.sync_batchnorm import TORCH_BN_TAKES_BIAS
 
 
 def _model() -> nn.Module:
@@ -106,6 +107,7 @@ def test_convert_torch_sync_batchnorm_and_revert_defaults_to_batchnorm2d():
     assert type(built_directly) is nn.BatchNorm2d
 
 
+@pytest.mark.skipif(not TORCH_BN_TAKES_BIAS, reason="this torch's BatchNorm takes no bias")
 def test_revert_also_handles_torch_sync_batchnorm():
     model = nn.Sequential(nn.SyncBatchNorm(4, bias=False))
     reverted = revert_sync_batchnorm(model)
@@ -134,3 +136,17 @@ def test_process_group_is_passed_on_and_lazy_modules_are_refused():
     assert converted.process_group is group
     with pytest.raises(ValueError, match="run one forward pass first"):
         convert_sync_batchnorm(nn.LazyBatchNorm2d())
+
+
+def test_revert_without_bias_gives_a_torch_batchnorm_without_bias():
+    """Also on torch releases whose BatchNorm takes no `bias` argument (2.11)."""
+    ours = SyncBatchNorm(4, bias=False)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+    reverted = revert_sync_batchnorm(ours)
+    assert type(reverted) is nn.BatchNorm2d and reverted.bias is None
+    assert reverted.weight is ours.weight
+    assert [name for name, _ in reverted.named_parameters()] == ["weight"]
+    x = torch.randn(3, 4, 2, 2)
+    expected = nn.functional.batch_norm(x, None, None, ours.weight, None, training=True)
+    torch.testing.assert_close(reverted(x), expected)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 SCRIPT = textwrap.dedent(
     """
@@ -40,3 +44,17 @@ def test_missing_extension_warns_once_and_ops_raise():
         "implementation. Build it with `make build-ext`."
     )
     assert second.startswith("raised: syncbn_lab._C is not built")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ELF dynamic section: Linux")
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="needs binutils' readelf")
+def test_built_module_links_libstdcxx_shared():
+    """A module with its own static libstdc++ crashed on every C++ exception (TORCH_CHECK) on
+    a CUDA image whose g++ wrapper linked it so; setup.py links it shared, as torch does."""
+    from syncbn_lab.nn import _ext
+
+    if not _ext.load():
+        pytest.skip("syncbn_lab._C is not built")
+    module = importlib.import_module("syncbn_lab._C").__file__
+    dynamic = subprocess.run(["readelf", "-d", module], capture_output=True, text=True, check=True)
+    assert "libstdc++.so" in dynamic.stdout, dynamic.stdout

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from syncbn_lab.nn.sync_batchnorm import BatchNorm, SyncBatchNorm
+from syncbn_lab.nn.sync_batchnorm import TORCH_BN_TAKES_BIAS, BatchNorm, SyncBatchNorm
 
 __all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm"]
 
@@ -85,6 +85,8 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
             _warn_lost_behaviour(cls, "BatchNorm")
         target = getattr(module, _ORIGINAL_CLASS, None) or nn.BatchNorm2d
         kwargs = {"impl": getattr(module, "impl", "auto")} if issubclass(target, BatchNorm) else {}
+        if kwargs or TORCH_BN_TAKES_BIAS:  # else _move_state removes a bias the source lacks
+            kwargs["bias"] = module.bias is not None
         reverted = target(
             module.num_features,
             module.eps,
@@ -92,7 +94,6 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
             module.affine,
             module.track_running_stats,
             device="meta",
-            bias=module.bias is not None,
             **kwargs,
         )
         _move_state(module, reverted)
@@ -107,9 +108,8 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
 def _move_state(source: _BatchNorm, target: _BatchNorm) -> None:
     """Hand ``source``'s parameters, buffers and flags to ``target`` (built on meta)."""
     with torch.no_grad():
-        for name in ("weight", "bias"):
-            if getattr(source, name) is not None:
-                setattr(target, name, getattr(source, name))
+        for name in ("weight", "bias"):  # None too: an affine BN without a bias keeps none
+            setattr(target, name, getattr(source, name))
         for name in ("running_mean", "running_var", "num_batches_tracked"):
             if getattr(source, name, None) is not None:
                 setattr(target, name, getattr(source, name))

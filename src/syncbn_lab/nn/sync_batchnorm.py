@@ -7,12 +7,18 @@ says which). Statistics, payloads and collectives are the same for all three.
 
 from __future__ import annotations
 
+import inspect
+
 import torch.distributed as dist
 from torch import Tensor
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn import init
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
 from syncbn_lab.nn import functional as F
 from syncbn_lab.nn.comm import Communicator, LocalCommunicator, communicator_for, subgroup_for
+
+# Whether torch's own BatchNorm takes `bias` (older releases, 2.11 among them, do not).
+TORCH_BN_TAKES_BIAS = "bias" in inspect.signature(_NormBase.__init__).parameters
 
 __all__ = ["BatchNorm", "SyncBatchNorm"]
 
@@ -55,11 +61,23 @@ class BatchNorm(_BatchNorm):
         bias: bool = True,
         impl: str = "auto",
     ) -> None:
+        # Older torch releases (2.11 among them) take no `bias` argument: affine BN has one.
+        kwargs = {"bias": bias} if TORCH_BN_TAKES_BIAS else {}
         super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias
+            num_features, eps, momentum, affine, track_running_stats, device, dtype, **kwargs
         )
+        if affine and not bias and not TORCH_BN_TAKES_BIAS:
+            self.register_parameter("bias", None)
         self.devices = 1
         self.impl = _check_impl(impl)
+
+    def reset_parameters(self) -> None:
+        """torch's, for every release: ones for the weight, zeros for a bias if there is one."""
+        self.reset_running_stats()
+        if self.affine:
+            init.ones_(self.weight)
+            if self.bias is not None:
+                init.zeros_(self.bias)
 
     def _check_input_dim(self, input: Tensor) -> None:
         if not 2 <= input.dim() <= 5:
