@@ -76,6 +76,19 @@ def find_cuda_toolkit() -> Path | None:
     return None
 
 
+def _loaded_libstdcxx() -> str | None:
+    """The file of the libstdc++ this process has loaded (torch's), on Linux; else None."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[-1]
+        if "/libstdc++.so" in path and Path(path).is_file():
+            return path
+    return None
+
+
 def _want_cuda(torch) -> tuple[bool, str]:
     choice = os.environ.get("SYNCBN_LAB_CUDA", "").strip().lower()
     if choice in ("0", "false", "no", "off"):
@@ -113,10 +126,12 @@ def extension_setup() -> dict:
         # libgomp.so.1 then resolves to the copy torch has already loaded.
         cxx_flags.append("-fopenmp")
         link_flags.append("-fopenmp")
-        # libstdc++ shared, as torch has it: a compiler wrapper that links it statically (one
-        # CUDA image's /opt/gcc/bin/g++ does) gave a module whose C++ exceptions (every
-        # TORCH_CHECK) crashed the process instead of raising RuntimeError.
-        link_flags.append("-lstdc++")
+        # The libstdc++ torch runs with, shared: one CUDA image's g++ wrapper finds only a
+        # static libstdc++.a, and a module with its own copy crashed the process on every C++
+        # exception (each TORCH_CHECK) instead of raising RuntimeError.
+        libstdcxx = _loaded_libstdcxx()
+        if libstdcxx:
+            link_flags.append(libstdcxx)
     sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
