@@ -7,13 +7,12 @@ any process starts or any file is written.
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from syncbn_lab.errors import ConfigError
+from syncbn_lab.errors import ConfigError, warn_one_line
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 PARALLEL_MODES = ("single", "emulated", "ddp", "dp")
@@ -136,11 +135,10 @@ def _check_parallel(cfg: DictConfig, device: str) -> dict:
             "or trainer.device=cpu (gloo)"
         )
     if device == "cpu" and p.devices > available_cores():
-        warnings.warn(
+        warn_one_line(
             f"parallel=ddp starts {p.devices} gloo processes on {available_cores()} CPU "
             "core(s): they time-share the cores (same results, slower; parallel=emulated "
-            "gives the same numerics in one process)",
-            stacklevel=3,
+            "gives the same numerics in one process)"
         )
     return {"backend": backend}
 

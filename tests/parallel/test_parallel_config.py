@@ -109,8 +109,11 @@ def test_unknown_dist_bn():
 
 def test_more_gloo_processes_than_cores_warns(monkeypatch):
     monkeypatch.setattr(config_module, "available_cores", lambda: 2)
-    with pytest.warns(UserWarning, match="starts 4 gloo processes on 2 CPU core"):
+    with pytest.warns(UserWarning, match="starts 4 gloo processes on 2 CPU core") as caught:
         validate(compose_config([*TINY, "parallel=ddp", "parallel.devices=4"]))
+    w = caught[0]
+    printed = warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
+    assert printed.count("\n") == 1, printed  # one line on stderr, no echoed source line
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         validate(compose_config([*TINY, "parallel=ddp", "parallel.devices=2"]))
