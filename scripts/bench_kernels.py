@@ -15,7 +15,9 @@ GPU (when a GPU and the CUDA kernels are present), timed with CUDA events: fused
 the running-stat update, as above) and module (syncbn_lab's SyncBatchNorm with impl="fused")
 vs cuDNN BatchNorm2d (target <= 1.1x), the effective bandwidth of each kernel (bytes that must
 move / time) against a device copy of the same tensor (target >= 80 % on >= 256 MB), and
-BN+ReLU fused vs BN then ReLU (target >= 1.25x).
+BN+ReLU fused vs BN then ReLU (target >= 1.25x). Also the device operations per step and
+their summed time against the step's (torch.profiler), with module_noguard: the module with
+its precision guard off, the cost of that guard's one host synchronisation per layer.
 
     python scripts/bench_kernels.py [--rounds 21] [--threads N] [--stat min|median]
                                     [--no-cpu] [--no-gpu] [--json FILE]
@@ -97,6 +99,21 @@ class Layer:
             eps=EPS,
             impl="reference",
         )
+
+
+def without_precision_guard(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The module with the eager step's precision guard off (for its cost only: on CUDA the
+    guard reads max |mean| * invstd back to the host, one synchronisation per layer)."""
+    from syncbn_lab.nn import functional
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        saved, functional._FUSED_MEAN_LIMIT = functional._FUSED_MEAN_LIMIT, 0.0
+        try:
+            return module(x)
+        finally:
+            functional._FUSED_MEAN_LIMIT = saved
+
+    return run
 
 
 def fwd_bwd(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dy: torch.Tensor):
@@ -198,6 +215,7 @@ def gpu_runs(shape, dtype, layout: str) -> dict[str, Callable[[], None]]:
         "cudnn_bn": fwd_bwd(layer.torch, x, dy),
         "fused": fwd_bwd(layer.fused, x, dy),
         "module": fwd_bwd(layer.module(), x, dy),
+        "module_noguard": fwd_bwd(without_precision_guard(layer.module()), x, dy),
         "cudnn_bn_relu": fwd_bwd(layer.torch_relu, x, dy),
         "fused_relu": fwd_bwd(lambda t: layer.fused(t, relu=True), x, dy),
     }
