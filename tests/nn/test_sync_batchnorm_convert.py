@@ -138,9 +138,24 @@ def test_process_group_is_passed_on_and_lazy_modules_are_refused():
         convert_sync_batchnorm(nn.LazyBatchNorm2d())
 
 
-def test_revert_without_bias_gives_a_torch_batchnorm_without_bias():
-    """Also on torch releases whose BatchNorm takes no `bias` argument (2.11)."""
+@pytest.mark.parametrize("torch_takes_bias", [True, False], ids=["new_torch", "torch_2_11"])
+def test_revert_without_bias_gives_a_torch_batchnorm_without_bias(torch_takes_bias, monkeypatch):
+    """Also where torch's BatchNorm takes no `bias` argument (2.11): emulated by the flag."""
+    if torch_takes_bias and not TORCH_BN_TAKES_BIAS:
+        pytest.skip("this torch's BatchNorm takes no bias")
+    from syncbn_lab.nn import convert, sync_batchnorm
+
+    if not torch_takes_bias:
+        monkeypatch.setattr(convert, "TORCH_BN_TAKES_BIAS", False)
+        monkeypatch.setattr(sync_batchnorm, "TORCH_BN_TAKES_BIAS", False)
+        # what torch 2.11 does with a bias argument
+        monkeypatch.setattr(nn.BatchNorm2d, "__init__", _without_bias_argument(nn.BatchNorm2d))
     ours = SyncBatchNorm(4, bias=False)
+    assert ours.bias is None and [name for name, _ in ours.named_parameters()] == ["weight"]
+    with torch.no_grad():
+        ours.weight.fill_(3.0)
+    ours.reset_parameters()  # torch 2.11's own would call init.zeros_(None)
+    assert torch.equal(ours.weight, torch.ones(4))
     with torch.no_grad():
         ours.weight.uniform_(0.5, 1.5)
     reverted = revert_sync_batchnorm(ours)
@@ -150,3 +165,14 @@ def test_revert_without_bias_gives_a_torch_batchnorm_without_bias():
     x = torch.randn(3, 4, 2, 2)
     expected = nn.functional.batch_norm(x, None, None, ours.weight, None, training=True)
     torch.testing.assert_close(reverted(x), expected)
+
+
+def _without_bias_argument(cls):
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        if "bias" in kwargs:
+            raise TypeError("__init__() got an unexpected keyword argument 'bias'")
+        init(self, *args, **kwargs)
+
+    return __init__
