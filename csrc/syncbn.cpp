@@ -90,8 +90,7 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward_composite(
   } else {
     dx = at::empty({0}, x.options());
   }
-  if (mean.size(0) == 1) return {dx, sum_dy_xhat.view({-1}), sum_dy.view({-1})};
-  return {dx, sum_dy_xhat.sum(0), sum_dy.sum(0)};
+  return with_param_grads(dx, sum_dy, sum_dy_xhat);
 }
 
 // The eager bookkeeping after batch_norm_train in one call (a training step would

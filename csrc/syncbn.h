@@ -140,6 +140,29 @@ inline void check_update_running_stats(const std::optional<at::Tensor>& running_
               "syncbn_lab::update_running_stats: give both running statistics or neither");
 }
 
+// The running statistics an update_running_stats kernel is about to move: (C,), contiguous,
+// one dtype, on the statistics' device, and count > 1 values behind the variance.
+inline void check_running_buffers(const at::Tensor& running_mean, const at::Tensor& running_var,
+                                  const at::Tensor& mean, int64_t count) {
+  const int64_t C = mean.size(1);
+  TORCH_CHECK(count > 1, "syncbn_lab::update_running_stats: count must be > 1, got ", count);
+  TORCH_CHECK(running_mean.numel() == C && running_var.numel() == C &&
+                  running_mean.is_contiguous() && running_var.is_contiguous(),
+              "syncbn_lab::update_running_stats: running statistics must be contiguous (C,)");
+  TORCH_CHECK(running_var.scalar_type() == running_mean.scalar_type(),
+              "syncbn_lab::update_running_stats: running statistics of different dtypes");
+  TORCH_CHECK(running_mean.device() == mean.device() && running_var.device() == mean.device(),
+              "syncbn_lab::update_running_stats: running statistics must be on ", mean.device());
+}
+
+// The result of batch_norm_train_backward from dx and the per-row sums (G, C): d(weight) and
+// d(bias) are the sums over the rows.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> with_param_grads(
+    at::Tensor dx, const at::Tensor& sum_dy, const at::Tensor& sum_dy_xhat) {
+  if (sum_dy.size(0) == 1) return {std::move(dx), sum_dy_xhat.view({-1}), sum_dy.view({-1})};
+  return {std::move(dx), sum_dy_xhat.sum(0), sum_dy.sum(0)};
+}
+
 // The device-generic compositions of the primitives (syncbn.cpp), for kernels that take a
 // faster path only for some inputs.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_train_composite(

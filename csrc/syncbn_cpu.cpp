@@ -1178,8 +1178,7 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward_cpu(
       fused_backward_rows<false, scalar_t, A>(p, dy, k, plan, width, input_grad, dx, s1, s2);
     }
   });
-  if (p.g.slices == 1) return {dx, sum_dy_xhat.view({-1}), sum_dy.view({-1})};
-  return {dx, sum_dy_xhat.sum(0), sum_dy.sum(0)};
+  return with_param_grads(dx, sum_dy, sum_dy_xhat);
 }
 
 // update_running_stats (contract in syncbn.cpp) without temporaries: on the CPU the eager
@@ -1202,17 +1201,12 @@ Tensor update_running_stats_cpu(const std::optional<Tensor>& running_mean,
       coarse = coarse || std::abs(mp[i] * ip[i]) > mean_limit;
     }
     if (coarse || !running_mean.has_value() || C == 0) return;
-    TORCH_CHECK(count > 1, "syncbn_lab::update_running_stats: count must be > 1, got ", count);
-    TORCH_CHECK(running_mean->numel() == C && running_var->numel() == C &&
-                    running_mean->is_contiguous() && running_var->is_contiguous(),
-                "syncbn_lab::update_running_stats: running statistics must be contiguous (C,)");
+    check_running_buffers(*running_mean, *running_var, mean, count);
     const scalar_t* vp = var.const_data_ptr<scalar_t>();
     // As var[0].mul(count / (count - 1)) in the statistics' dtype.
     const scalar_t unbias = static_cast<scalar_t>(static_cast<double>(count) / (count - 1));
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, running_mean->scalar_type(),
                                     "update_running_stats_cpu_buffers", [&] {
-      TORCH_CHECK(running_var->scalar_type() == running_mean->scalar_type(),
-                  "syncbn_lab::update_running_stats: running statistics of different dtypes");
       scalar_t* rm = running_mean->mutable_data_ptr<scalar_t>();
       scalar_t* rv = running_var->mutable_data_ptr<scalar_t>();
       using R = at::opmath_type<scalar_t>;

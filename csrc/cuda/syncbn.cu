@@ -20,6 +20,7 @@
 // which a bare CUDA toolkit (nvcc + cudart only) lacks.
 #include <ATen/AccumulateType.h>
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -28,6 +29,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "../syncbn.h"
 
@@ -76,6 +78,10 @@ __device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fm
 __device__ __forceinline__ double fma_rn(double a, double b, double c) {
   return __fma_rn(a, b, c);
 }
+__device__ __forceinline__ float sqrt_rn(float v) { return __fsqrt_rn(v); }
+__device__ __forceinline__ double sqrt_rn(double v) { return __dsqrt_rn(v); }
+__device__ __forceinline__ float abs_of(float v) { return fabsf(v); }
+__device__ __forceinline__ double abs_of(double v) { return fabs(v); }
 
 // (x - mean) * scale + shift, rounded once: the forward output and the backward's ReLU mask.
 template <typename A>
@@ -205,6 +211,15 @@ __global__ void stats_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t
   }
 }
 
+// With `invstd` set, merge_kernel writes the variance m2 / count and 1 / sqrt(var + eps) (as
+// the CPU kernels) instead of m2: the forward of batch_norm_train in one launch less than four.
+template <typename A>
+struct Finalize {
+  A* invstd = nullptr;  // nullptr: write m2
+  A count = 1;          // values per row, at least 1 (an empty row has variance 0)
+  A eps = 0;
+};
+
 // Merges entries (b, p, c * per + v) over p < P and v < per into (b, c); the count of an
 // entry is cnt[b * cb + p * cp + (c * per + v) * cw]. Entry means are relative to the pivot
 // x[b * pivot_b + c * pivot_c] (none when x is null), added back at the end.
@@ -213,7 +228,7 @@ __global__ void merge_kernel(const A* __restrict__ cnt, int64_t cb, int64_t cp, 
                              const A* __restrict__ mean, const A* __restrict__ m2, int64_t B,
                              int64_t P, int64_t C, int64_t per, const T* __restrict__ x,
                              int64_t pivot_b, int64_t pivot_c, A* __restrict__ out_mean,
-                             A* __restrict__ out_m2) {
+                             A* __restrict__ out_m2, Finalize<A> fin) {
   const int64_t W = C * per;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < B * C;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -227,24 +242,64 @@ __global__ void merge_kernel(const A* __restrict__ cnt, int64_t cb, int64_t cp, 
       }
     }
     out_mean[i] = (x ? static_cast<A>(x[b * pivot_b + c * pivot_c]) : A(0)) + acc.mean;
-    out_m2[i] = acc.m2;
+    if (fin.invstd) {
+      const A var = acc.m2 / fin.count;
+      out_m2[i] = var;
+      fin.invstd[i] = A(1) / sqrt_rn(var + fin.eps);
+    } else {
+      out_m2[i] = acc.m2;
+    }
   }
 }
 
-// Sums entries (b, p, c * per + v) over p and v, times `scale` (b, c) when given.
+// Sums entries (b, p, c * per + v) over p and v of both gradient partials in one launch:
+// out_dy = the sums of in_dy, out_dyx = the sums of in_dyx times invstd (b, c).
 template <typename A>
-__global__ void sum_partials_kernel(const A* __restrict__ in, int64_t B, int64_t P, int64_t C,
-                                    int64_t per, const A* __restrict__ scale,
-                                    A* __restrict__ out) {
+__global__ void sum_partials_kernel(const A* __restrict__ in_dy, const A* __restrict__ in_dyx,
+                                    int64_t B, int64_t P, int64_t C, int64_t per,
+                                    const A* __restrict__ invstd, A* __restrict__ out_dy,
+                                    A* __restrict__ out_dyx) {
   const int64_t W = C * per;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < B * C;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t b = i / C, c = i % C;
-    A acc = 0;
+    A sdy = 0, sdyx = 0;
     for (int64_t p = 0; p < P; ++p) {
-      for (int64_t v = 0; v < per; ++v) acc += in[(b * P + p) * W + c * per + v];
+      for (int64_t v = 0; v < per; ++v) {
+        const int64_t j = (b * P + p) * W + c * per + v;
+        sdy += in_dy[j];
+        sdyx += in_dyx[j];
+      }
     }
-    out[i] = scale ? acc * scale[i] : acc;
+    out_dy[i] = sdy;
+    out_dyx[i] = sdyx * invstd[i];
+  }
+}
+
+// The eager bookkeeping of a training step in one single-block launch (contract in
+// ../syncbn.cpp, CPU twin in ../syncbn_cpu.cpp): `coarse` = some |mean * invstd| of the
+// (G, C) rows exceeds mean_limit (0: no check); unless coarse, the running statistics (when
+// rm is set) move by w towards row 0's mean and variance * unbias, with the CPU kernel's
+// lerp: fma(w, end - start, start) for |w| < 0.5, else fma(w - 1, end - start, end).
+template <typename A, typename R, typename O>
+__global__ void running_stats_kernel(const A* __restrict__ mean, const A* __restrict__ var,
+                                     const A* __restrict__ invstd, int64_t total, int64_t C,
+                                     double mean_limit, A unbias, O w, R* __restrict__ rm,
+                                     R* __restrict__ rv, bool* __restrict__ coarse_out) {
+  int coarse = 0;
+  for (int64_t i = threadIdx.x; mean_limit > 0 && i < total; i += blockDim.x) {
+    coarse |= static_cast<double>(abs_of(mean[i] * invstd[i])) > mean_limit;
+  }
+  coarse = __syncthreads_or(coarse);
+  if (threadIdx.x == 0) *coarse_out = coarse != 0;
+  if (coarse || rm == nullptr) return;
+  const bool small = abs_of(w) < O(0.5);
+  const O wk = small ? w : w - O(1);
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    const O m0 = static_cast<O>(rm[c]), m1 = static_cast<O>(static_cast<R>(mean[c]));
+    rm[c] = static_cast<R>(fma_rn(wk, m1 - m0, small ? m0 : m1));
+    const O v0 = static_cast<O>(rv[c]), v1 = static_cast<O>(static_cast<R>(var[c] * unbias));
+    rv[c] = static_cast<R>(fma_rn(wk, v1 - v0, small ? v0 : v1));
   }
 }
 
@@ -305,21 +360,14 @@ ReducePlan reduce_plan(const Geometry& g, Layout layout) {
   return plan;
 }
 
-std::tuple<Tensor, Tensor, Tensor> local_stats_cuda(const Tensor& x_in, int64_t devices) {
-  check_floating(x_in, "local_stats");
-  const Geometry g = geometry_of(x_in, devices, "local_stats");
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const Layout layout = layout_of(x_in);
-  const Tensor x = as_layout(x_in, layout);
-  const auto opts = x.options().dtype(acc_dtype(x.scalar_type()));
-  Tensor count = at::full({g.slices}, static_cast<double>(g.n * g.S), opts);
-  if (x.numel() == 0) {
-    return {count, at::zeros({g.slices, g.C}, opts), at::zeros({g.slices, g.C}, opts)};
-  }
-  // merge_kernel writes every (slice, channel): no fill launches.
-  Tensor mean = at::empty({g.slices, g.C}, opts);
-  Tensor m2 = at::empty({g.slices, g.C}, opts);
+// Statistics of the g.slices rows of x (already in `layout`): the partial reductions and
+// one merge launch, which writes every entry of mean and second (no fill launches). second
+// receives m2, or the variance when `invstd` is defined (see Finalize; it receives
+// 1 / sqrt(var + eps)).
+void launch_stats(const Tensor& x, const Geometry& g, Layout layout, const Tensor& mean,
+                  const Tensor& second, const Tensor& invstd, double eps) {
   const ReducePlan plan = reduce_plan(g, layout);
+  const auto opts = mean.options();
   Tensor pn = at::empty({g.slices, plan.chunks, plan.W}, opts);
   Tensor pmean = at::empty_like(pn);
   Tensor pm2 = at::empty_like(pn);
@@ -338,6 +386,12 @@ std::tuple<Tensor, Tensor, Tensor> local_stats_cuda(const Tensor& x_in, int64_t 
           pm2.mutable_data_ptr<A>());
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    Finalize<A> fin;
+    if (invstd.defined()) {
+      fin.invstd = invstd.mutable_data_ptr<A>();
+      fin.count = std::max(static_cast<A>(g.n * g.S), A(1));
+      fin.eps = static_cast<A>(eps);
+    }
     // Pivot of (slice d, channel c): the channel's first value in the slice.
     const int64_t per = plan.W / g.C;
     const int64_t pivot_b = plan.planes ? g.n * g.C * g.S : plan.rows * plan.W;
@@ -345,9 +399,25 @@ std::tuple<Tensor, Tensor, Tensor> local_stats_cuda(const Tensor& x_in, int64_t 
     merge_kernel<scalar_t, A><<<grid_1d(g.slices * g.C), kThreads, 0, stream>>>(
         pn.const_data_ptr<A>(), plan.chunks * plan.W, plan.W, 1, pmean.const_data_ptr<A>(),
         pm2.const_data_ptr<A>(), g.slices, plan.chunks, g.C, per, xp, pivot_b, pivot_c,
-        mean.mutable_data_ptr<A>(), m2.mutable_data_ptr<A>());
+        mean.mutable_data_ptr<A>(), second.mutable_data_ptr<A>(), fin);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+std::tuple<Tensor, Tensor, Tensor> local_stats_cuda(const Tensor& x_in, int64_t devices) {
+  check_floating(x_in, "local_stats");
+  const Geometry g = geometry_of(x_in, devices, "local_stats");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Layout layout = layout_of(x_in);
+  const Tensor x = as_layout(x_in, layout);
+  const auto opts = x.options().dtype(acc_dtype(x.scalar_type()));
+  Tensor count = at::full({g.slices}, static_cast<double>(g.n * g.S), opts);
+  if (x.numel() == 0) {
+    return {count, at::zeros({g.slices, g.C}, opts), at::zeros({g.slices, g.C}, opts)};
+  }
+  Tensor mean = at::empty({g.slices, g.C}, opts);
+  Tensor m2 = at::empty({g.slices, g.C}, opts);
+  launch_stats(x, g, layout, mean, m2, Tensor(), 0.0);
   return {count, mean, m2};
 }
 
@@ -384,7 +454,8 @@ std::tuple<Tensor, Tensor, Tensor> merge_stats_cuda(const Tensor& count_in, cons
         <<<grid_1d(B * C), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
             count.const_data_ptr<scalar_t>(), K, 1, 0, mean.const_data_ptr<scalar_t>(),
             m2.const_data_ptr<scalar_t>(), B, K, C, 1, nullptr, 0, 0,
-            mean_out.mutable_data_ptr<scalar_t>(), m2_out.mutable_data_ptr<scalar_t>());
+            mean_out.mutable_data_ptr<scalar_t>(), m2_out.mutable_data_ptr<scalar_t>(),
+            Finalize<scalar_t>{});
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {count_out, mean_out, m2_out};
@@ -447,15 +518,15 @@ __global__ void backward_elemt_kernel(const T* __restrict__ dy, const T* __restr
                                       T* __restrict__ dx, Params<A> prm,
                                       const A* __restrict__ sum_dy,
                                       const A* __restrict__ sum_dy_xhat,
-                                      const A* __restrict__ count, bool per_slice_count, I total,
-                                      I C, I S, I slice_elems) {
+                                      const A* __restrict__ count, bool per_slice_count,
+                                      A count_value, I total, I C, I S, I slice_elems) {
   const I nvec = total / VEC;
   const I stride = static_cast<I>(gridDim.x) * blockDim.x;
   for (I v = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; v < nvec; v += stride) {
     const I base = v * VEC;
     I c0, g;
     locate<CL>(base, C, S, slice_elems, c0, g);
-    const A m = count[per_slice_count ? g : 0];
+    const A m = count ? count[per_slice_count ? g : 0] : count_value;  // values per row
     const A inv_m = m > A(0) ? A(1) / m : A(0);
     const Vec<T, VEC> xin = reinterpret_cast<const Vec<T, VEC>*>(x)[v];
     const Vec<T, VEC> gin = reinterpret_cast<const Vec<T, VEC>*>(dy)[v];
@@ -608,11 +679,8 @@ void with_layout_and_index(bool relu, bool cl, bool small, F&& f) {
   }
 }
 
-Tensor forward_elemt_cuda(const Tensor& x_in, const Tensor& mean, const Tensor& invstd,
-                          const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
-                          bool relu) {
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const Prepared p = prepare(x_in, mean, invstd, weight, bias, "forward_elemt");
+// y of the prepared input, in its layout.
+Tensor launch_forward(const Prepared& p, bool relu) {
   Tensor y = empty_in_layout(p.x.sizes(), p.x.options(), p.layout);
   const int64_t total = p.x.numel();
   if (total == 0) return y;
@@ -647,23 +715,31 @@ Tensor forward_elemt_cuda(const Tensor& x_in, const Tensor& mean, const Tensor& 
   return y;
 }
 
-std::tuple<Tensor, Tensor> backward_reduce_cuda(const Tensor& dy_in, const Tensor& x_in,
-                                                const Tensor& mean, const Tensor& invstd,
-                                                const std::optional<Tensor>& weight,
-                                                const std::optional<Tensor>& bias, bool relu) {
-  TORCH_CHECK(dy_in.sizes() == x_in.sizes() && dy_in.scalar_type() == x_in.scalar_type(),
-              "syncbn_lab::backward_reduce: dy must have the shape and dtype of x, got ",
-              dy_in.sizes(), " ", dy_in.scalar_type(), " and ", x_in.sizes(), " ",
-              x_in.scalar_type());
-  TORCH_CHECK(dy_in.device() == x_in.device(), "syncbn_lab::backward_reduce: dy must be on ",
-              x_in.device(), ", got ", dy_in.device());
+Tensor forward_elemt_cuda(const Tensor& x_in, const Tensor& mean, const Tensor& invstd,
+                          const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
+                          bool relu) {
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const Prepared p = prepare(x_in, mean, invstd, weight, bias, "backward_reduce");
-  const Tensor dy = as_layout(dy_in, p.layout);
+  return launch_forward(prepare(x_in, mean, invstd, weight, bias, "forward_elemt"), relu);
+}
+
+// dy has the shape, dtype and device of x; returns it in the layout the kernels run in.
+Tensor checked_dy(const Tensor& dy, const Prepared& p, const Tensor& x_in, const char* op) {
+  TORCH_CHECK(dy.sizes() == x_in.sizes() && dy.scalar_type() == x_in.scalar_type(),
+              "syncbn_lab::", op, ": dy must have the shape and dtype of x, got ", dy.sizes(),
+              " ", dy.scalar_type(), " and ", x_in.sizes(), " ", x_in.scalar_type());
+  TORCH_CHECK(dy.device() == x_in.device(), "syncbn_lab::", op, ": dy must be on ",
+              x_in.device(), ", got ", dy.device());
+  return as_layout(dy, p.layout);
+}
+
+// (sum_dy, sum_dy_xhat) of the prepared input, shaped `stat_sizes` ((G, C) or (C,)): the
+// partial reductions and one launch that sums both (every entry written, no fill launches).
+std::tuple<Tensor, Tensor> launch_backward_reduce(const Prepared& p, const Tensor& dy,
+                                                  at::IntArrayRef stat_sizes, bool relu) {
   const auto opts = p.x.options().dtype(p.acc);
-  Tensor sum_dy = at::zeros(mean.sizes(), opts);
-  Tensor sum_dy_xhat = at::zeros(mean.sizes(), opts);
-  if (p.x.numel() == 0) return {sum_dy, sum_dy_xhat};
+  if (p.x.numel() == 0) return {at::zeros(stat_sizes, opts), at::zeros(stat_sizes, opts)};
+  Tensor sum_dy = at::empty(stat_sizes, opts);
+  Tensor sum_dy_xhat = at::empty(stat_sizes, opts);
   const Geometry& g = p.g;
   const ReducePlan plan = reduce_plan(g, p.layout);
   Tensor psdy = at::empty({g.slices, plan.chunks, plan.W}, opts);
@@ -692,46 +768,23 @@ std::tuple<Tensor, Tensor> backward_reduce_cuda(const Tensor& dy_in, const Tenso
     } else {
       launch(std::false_type{});
     }
-    const int64_t per = plan.W / g.C;
-    const unsigned blocks = grid_1d(g.slices * g.C);
-    sum_partials_kernel<A><<<blocks, kThreads, 0, stream>>>(
-        psdy.const_data_ptr<A>(), g.slices, plan.chunks, g.C, per, nullptr,
-        sum_dy.mutable_data_ptr<A>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    sum_partials_kernel<A><<<blocks, kThreads, 0, stream>>>(
-        psdyx.const_data_ptr<A>(), g.slices, plan.chunks, g.C, per, prm.invstd,
-        sum_dy_xhat.mutable_data_ptr<A>());
+    sum_partials_kernel<A><<<grid_1d(g.slices * g.C), kThreads, 0, stream>>>(
+        psdy.const_data_ptr<A>(), psdyx.const_data_ptr<A>(), g.slices, plan.chunks, g.C,
+        plan.W / g.C, prm.invstd, sum_dy.mutable_data_ptr<A>(), sum_dy_xhat.mutable_data_ptr<A>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {sum_dy, sum_dy_xhat};
 }
 
-Tensor backward_elemt_cuda(const Tensor& dy_in, const Tensor& x_in, const Tensor& mean,
-                           const Tensor& invstd, const std::optional<Tensor>& weight,
-                           const std::optional<Tensor>& bias, const Tensor& sum_dy,
-                           const Tensor& sum_dy_xhat, const Tensor& count, bool relu) {
-  TORCH_CHECK(dy_in.sizes() == x_in.sizes() && dy_in.scalar_type() == x_in.scalar_type(),
-              "syncbn_lab::backward_elemt: dy must have the shape and dtype of x, got ",
-              dy_in.sizes(), " ", dy_in.scalar_type(), " and ", x_in.sizes(), " ",
-              x_in.scalar_type());
-  TORCH_CHECK(dy_in.device() == x_in.device(), "syncbn_lab::backward_elemt: dy must be on ",
-              x_in.device(), ", got ", dy_in.device());
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const Prepared p = prepare(x_in, mean, invstd, weight, bias, "backward_elemt");
-  TORCH_CHECK(sum_dy.sizes() == mean.sizes() && sum_dy_xhat.sizes() == mean.sizes(),
-              "syncbn_lab::backward_elemt: sum_dy and sum_dy_xhat must have the shape of mean ",
-              mean.sizes(), ", got ", sum_dy.sizes(), " and ", sum_dy_xhat.sizes());
-  TORCH_CHECK(count.numel() == 1 || count.numel() == p.g.slices,
-              "syncbn_lab::backward_elemt: count must hold 1 or ", p.g.slices,
-              " values (one per slice), got ", count.numel());
-  const Tensor dy = as_layout(dy_in, p.layout);
+// dx of the prepared input. The values per statistic row come from `count` (1 or G values,
+// acc dtype, contiguous) or, when it is undefined, are `count_value` for every row.
+Tensor launch_backward_elemt(const Prepared& p, const Tensor& dy, const Tensor& sum_dy,
+                             const Tensor& sum_dy_xhat, const Tensor& count, double count_value,
+                             bool relu) {
   Tensor dx = empty_in_layout(p.x.sizes(), p.x.options(), p.layout);
   const int64_t total = p.x.numel();
   if (total == 0) return dx;
-  const Tensor s1 = stat_as(sum_dy, x_in, p.acc);
-  const Tensor s2 = stat_as(sum_dy_xhat, x_in, p.acc);
-  const Tensor m = stat_as(count, x_in, p.acc).reshape({-1});
-  const bool per_slice_count = m.numel() != 1;
+  const bool per_slice_count = count.defined() && count.numel() != 1;
   const bool cl = p.layout == Layout::ChannelsLast;
   const bool small = total < (int64_t{1} << 30);  // 32-bit indices, no overflow
   const int64_t slice_elems = p.g.n * p.g.C * p.g.S;
@@ -741,6 +794,7 @@ Tensor backward_elemt_cuda(const Tensor& dy_in, const Tensor& x_in, const Tensor
     using A = at::acc_type<scalar_t, true>;
     constexpr int kVec = 16 / sizeof(scalar_t);
     const Params<A> prm = params_of<A>(p);
+    const A* mp = count.defined() ? count.const_data_ptr<A>() : nullptr;
     const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
     const scalar_t* gp = dy.const_data_ptr<scalar_t>();
     scalar_t* op = dx.mutable_data_ptr<scalar_t>();
@@ -750,8 +804,8 @@ Tensor backward_elemt_cuda(const Tensor& dy_in, const Tensor& x_in, const Tensor
       constexpr int V = decltype(vec_c)::value;
       backward_elemt_kernel<scalar_t, A, decltype(relu_c)::value, decltype(cl_c)::value, V, I>
           <<<grid_1d(total / V), kThreads, 0, stream>>>(
-              gp, xp, op, prm, s1.const_data_ptr<A>(), s2.const_data_ptr<A>(),
-              m.const_data_ptr<A>(), per_slice_count, static_cast<I>(total),
+              gp, xp, op, prm, sum_dy.const_data_ptr<A>(), sum_dy_xhat.const_data_ptr<A>(), mp,
+              per_slice_count, static_cast<A>(count_value), static_cast<I>(total),
               static_cast<I>(p.g.C), static_cast<I>(p.g.S), static_cast<I>(slice_elems));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
@@ -764,6 +818,126 @@ Tensor backward_elemt_cuda(const Tensor& dy_in, const Tensor& x_in, const Tensor
   return dx;
 }
 
+std::tuple<Tensor, Tensor> backward_reduce_cuda(const Tensor& dy_in, const Tensor& x_in,
+                                                const Tensor& mean, const Tensor& invstd,
+                                                const std::optional<Tensor>& weight,
+                                                const std::optional<Tensor>& bias, bool relu) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Prepared p = prepare(x_in, mean, invstd, weight, bias, "backward_reduce");
+  const Tensor dy = checked_dy(dy_in, p, x_in, "backward_reduce");
+  return launch_backward_reduce(p, dy, mean.sizes(), relu);
+}
+
+Tensor backward_elemt_cuda(const Tensor& dy_in, const Tensor& x_in, const Tensor& mean,
+                           const Tensor& invstd, const std::optional<Tensor>& weight,
+                           const std::optional<Tensor>& bias, const Tensor& sum_dy,
+                           const Tensor& sum_dy_xhat, const Tensor& count, bool relu) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Prepared p = prepare(x_in, mean, invstd, weight, bias, "backward_elemt");
+  const Tensor dy = checked_dy(dy_in, p, x_in, "backward_elemt");
+  TORCH_CHECK(sum_dy.sizes() == mean.sizes() && sum_dy_xhat.sizes() == mean.sizes(),
+              "syncbn_lab::backward_elemt: sum_dy and sum_dy_xhat must have the shape of mean ",
+              mean.sizes(), ", got ", sum_dy.sizes(), " and ", sum_dy_xhat.sizes());
+  TORCH_CHECK(count.numel() == 1 || count.numel() == p.g.slices,
+              "syncbn_lab::backward_elemt: count must hold 1 or ", p.g.slices,
+              " values (one per slice), got ", count.numel());
+  if (p.x.numel() == 0) return empty_in_layout(p.x.sizes(), p.x.options(), p.layout);
+  return launch_backward_elemt(p, dy, stat_as(sum_dy, x_in, p.acc),
+                               stat_as(sum_dy_xhat, x_in, p.acc),
+                               stat_as(count, x_in, p.acc).reshape({-1}), 0.0, relu);
+}
+
+// batch_norm_train in three launches (statistics, merge with var and invstd, elementwise)
+// where the device-generic composite of ../syncbn.cpp takes eight: on a GPU a small layer's
+// step is bound by the host's launches. Same checks and outputs as the CPU kernel.
+std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train_cuda(
+    const Tensor& x_in, const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
+    int64_t devices, int64_t group_size, double eps, bool relu) {
+  TORCH_CHECK(group_size >= 1 && devices % group_size == 0,
+              "syncbn_lab::batch_norm_train: group_size must divide devices, got group_size=",
+              group_size, " and devices=", devices);
+  check_floating(x_in, "batch_norm_train");
+  geometry_of(x_in, devices, "batch_norm_train");  // the batch splits into `devices` slices
+  if (x_in.numel() == 0) {
+    return batch_norm_train_composite(x_in, weight, bias, devices, group_size, eps, relu);
+  }
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Geometry g = geometry_of(x_in, devices / group_size, "batch_norm_train");
+  const auto opts = x_in.options().dtype(acc_dtype(x_in.scalar_type()));
+  Tensor mean = at::empty({g.slices, g.C}, opts);
+  Tensor var = at::empty_like(mean);
+  Tensor invstd = at::empty_like(mean);
+  // Every argument check before the first launch. p.mean and p.invstd are mean and invstd
+  // themselves (already in the acc dtype and contiguous): the forward reads what the merge
+  // writes.
+  const Prepared p = prepare(x_in, mean, invstd, weight, bias, "batch_norm_train");
+  launch_stats(p.x, g, p.layout, p.mean, var, p.invstd, eps);
+  return {launch_forward(p, relu), p.mean, var, p.invstd};
+}
+
+// batch_norm_train_backward in three launches (partial sums, their merge, dx) where the
+// composite takes seven or more.
+std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward_cuda(
+    const Tensor& dy_in, const Tensor& x_in, const std::optional<Tensor>& weight,
+    const std::optional<Tensor>& bias, const Tensor& mean, const Tensor& invstd, bool relu,
+    bool input_grad) {
+  TORCH_CHECK(mean.dim() == 2, "syncbn_lab::batch_norm_train_backward: mean must be (G, C)");
+  if (x_in.numel() == 0) {
+    return batch_norm_train_backward_composite(dy_in, x_in, weight, bias, mean, invstd, relu,
+                                               input_grad);
+  }
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Prepared p = prepare(x_in, mean, invstd, weight, bias, "batch_norm_train_backward");
+  const Tensor dy = checked_dy(dy_in, p, x_in, "batch_norm_train_backward");
+  auto [sum_dy, sum_dy_xhat] = launch_backward_reduce(p, dy, mean.sizes(), relu);
+  Tensor dx = input_grad ? launch_backward_elemt(p, dy, sum_dy, sum_dy_xhat, Tensor(),
+                                                 static_cast<double>(p.g.n * p.g.S), relu)
+                         : at::empty({0}, x_in.options());
+  return with_param_grads(dx, sum_dy, sum_dy_xhat);
+}
+
+// update_running_stats in one launch; the caller's read of the flag is the step's one sync.
+Tensor update_running_stats_cuda(const std::optional<Tensor>& running_mean,
+                                 const std::optional<Tensor>& running_var, const Tensor& mean_in,
+                                 const Tensor& var_in, const Tensor& invstd_in, double factor,
+                                 int64_t count, double mean_limit) {
+  check_update_running_stats(running_mean, running_var, mean_in, var_in, invstd_in);
+  const c10::cuda::CUDAGuard guard(mean_in.device());
+  const auto acc = mean_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const Tensor mean = stat_as(mean_in, mean_in, acc);
+  const Tensor var = stat_as(var_in, mean_in, acc);
+  const Tensor invstd = stat_as(invstd_in, mean_in, acc);
+  const int64_t C = mean.size(1);
+  const bool track = running_mean.has_value() && mean.numel() > 0;
+  // Checked before the launch: the CPU kernel checks them only when the guard passes.
+  if (track) check_running_buffers(*running_mean, *running_var, mean, count);
+  Tensor coarse = at::empty({}, mean.options().dtype(at::kBool));
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES(acc, "update_running_stats_cuda", [&] {
+    using A = scalar_t;
+    const A unbias = track ? static_cast<A>(static_cast<double>(count) / (count - 1)) : A(1);
+    auto launch = [&](auto* rm, auto* rv) {
+      using R = std::remove_pointer_t<decltype(rm)>;
+      using O = at::opmath_type<R>;
+      running_stats_kernel<A, R, O><<<1, kThreads, 0, stream>>>(
+          mean.const_data_ptr<A>(), var.const_data_ptr<A>(), invstd.const_data_ptr<A>(),
+          mean.numel(), C, mean_limit, unbias, static_cast<O>(factor), rm, rv,
+          coarse.mutable_data_ptr<bool>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (!track) {
+      launch(static_cast<A*>(nullptr), static_cast<A*>(nullptr));
+      return;
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, running_mean->scalar_type(),
+                                    "update_running_stats_cuda_buffers", [&] {
+      launch(running_mean->mutable_data_ptr<scalar_t>(),
+             running_var->mutable_data_ptr<scalar_t>());
+    });
+  });
+  return coarse;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(syncbn_lab, CUDA, m) {
@@ -772,6 +946,9 @@ TORCH_LIBRARY_IMPL(syncbn_lab, CUDA, m) {
   m.impl("forward_elemt", &forward_elemt_cuda);
   m.impl("backward_reduce", &backward_reduce_cuda);
   m.impl("backward_elemt", &backward_elemt_cuda);
+  m.impl("batch_norm_train", &batch_norm_train_cuda);
+  m.impl("batch_norm_train_backward", &batch_norm_train_backward_cuda);
+  m.impl("update_running_stats", &update_running_stats_cuda);
 }
 
 }  // namespace syncbn_lab

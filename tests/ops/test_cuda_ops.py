@@ -185,6 +185,11 @@ def test_cuda_opcheck():
             lib.batch_norm_train.default,
             (x.clone().requires_grad_(), w.clone().requires_grad_(), b, 2, 2, 1e-5, True),
         ),
+        (lib.batch_norm_train_backward.default, (dy, x, w, b, mean, invstd, True, True)),
+        (
+            lib.update_running_stats.default,
+            (torch.zeros_like(w), torch.ones_like(w), mean, m2, invstd, 0.1, 50, 16.0),
+        ),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -201,3 +206,71 @@ def test_cuda_64bit_indices():
     assert x.numel() > (1 << 30)
     torch.testing.assert_close(y[-1], (x[-1].float() * 2).bfloat16(), atol=0, rtol=0)
     torch.testing.assert_close(y[0], (x[0].float() * 2).bfloat16(), atol=0, rtol=0)
+
+
+def test_cuda_backward_without_input_grad_and_empty_input():
+    x, w, b, dy = make_cuda_inputs((8, 6, 5, 7), torch.float32, "contiguous", seed=4)
+    out = ops.batch_norm_train(x, w, b, 2, 1, 1e-5, True)
+    lib = torch.ops.syncbn_lab
+    full = lib.batch_norm_train_backward(dy, x, w, b, out.mean, out.invstd, True, True)
+    sums = lib.batch_norm_train_backward(dy, x, w, b, out.mean, out.invstd, True, False)
+    assert sums[0].numel() == 0
+    torch.testing.assert_close(sums[1:], full[1:], atol=0, rtol=0)
+    cpu = lib.batch_norm_train_backward(
+        dy.cpu(), x.cpu(), w.cpu(), b.cpu(), out.mean.cpu(), out.invstd.cpu(), True, True
+    )
+    for a, c in zip(full, cpu, strict=True):
+        torch.testing.assert_close(a.cpu(), c, atol=1e-4, rtol=1e-5)
+    # An empty batch: zero statistics, empty outputs, zero gradient sums (as on the CPU).
+    empty = torch.empty(0, 6, 4, device="cuda", requires_grad=True)
+    res = ops.batch_norm_train(empty, w, b, 1, 1, 1e-5, False)
+    res.y.sum().backward()
+    assert res.y.shape == empty.shape and empty.grad.shape == empty.shape
+    assert torch.equal(res.var.cpu(), torch.zeros(1, 6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("factor", [0.1, 0.7])
+def test_cuda_update_running_stats_equals_cpu_bitwise(dtype, factor):
+    """One launch on the GPU: the same explicit-fma lerp as the CPU kernel, over more
+    channels than a block has threads, and the same precision-guard answer."""
+    g = torch.Generator().manual_seed(5)
+    stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    mean = torch.randn(3, 300, generator=g, dtype=stat_dtype)
+    var = torch.rand(3, 300, generator=g, dtype=stat_dtype) + 0.5
+    invstd = torch.rsqrt(var + 1e-5)
+    running = (torch.randn(300, generator=g).to(dtype), torch.rand(300, generator=g).to(dtype))
+    for coarse in (False, True):
+        if coarse:
+            mean[2, 299] = 1e4  # |mean| * invstd > 16 in a row other than 0
+        cpu = [t.clone() for t in running]
+        gpu = [t.clone().cuda() for t in running]
+        stats = (mean, var, invstd)
+        got_cpu = ops.update_running_stats(*cpu, *stats, factor, 10, 16.0)
+        got_gpu = ops.update_running_stats(*gpu, *(t.cuda() for t in stats), factor, 10, 16.0)
+        assert got_cpu == got_gpu == coarse
+        for a, c, before in zip(gpu, cpu, running, strict=True):
+            assert torch.equal(a.cpu(), c)
+            assert torch.equal(c, before) == coarse  # nothing moves when the guard trips
+    # mean_limit 0: no check, and the running statistics are optional.
+    assert not ops.update_running_stats(None, None, *(t.cuda() for t in stats), 0.5, 10, 0.0)
+
+
+def test_cuda_module_fused_equals_reference():
+    """The module's eager path on the GPU (batch_norm_train + update_running_stats), and its
+    fallback to the reference when the guard trips, against the reference module."""
+    from syncbn_lab.nn import SyncBatchNorm
+
+    g = torch.Generator().manual_seed(6)
+    for offset in (0.5, 1e4):
+        x = (offset + 0.1 * torch.randn(16, 5, 6, 6, generator=g)).cuda()
+        dy = torch.randn(16, 5, 6, 6, generator=g).cuda()
+        outs = []
+        for impl in ("fused", "reference"):
+            bn = SyncBatchNorm(5, impl=impl).cuda()
+            xi = x.clone().requires_grad_()
+            for _ in range(2):
+                bn(xi).backward(dy)
+            outs.append((bn(xi).detach(), xi.grad, bn.weight.grad, bn.running_mean, bn.running_var))
+        for a, r in zip(*outs, strict=True):
+            torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4)
