@@ -122,12 +122,22 @@ __device__ A block_sum(A v, A* shared) {
   return v;
 }
 
+// VEC consecutive values, loaded or stored as one 16-byte (or narrower) access.
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Vec {
+  T v[VEC];
+};
+
 // ----------------------------------------------------------------------------------------
 // Statistics
 // ----------------------------------------------------------------------------------------
+//
+// The reductions are bound by the bytes each thread has in flight (one 4-byte load per
+// thread kept them at 26-37 % of the H200's copy bandwidth), so every thread loads VEC
+// consecutive values at once (16 bytes) wherever the row length and alignment allow.
 
-// grid (chunks, C, slices); partials (slices, chunks, C).
-template <typename T, typename A>
+// grid (chunks, C, slices); partials (slices, chunks, C). S % VEC == 0, planes aligned.
+template <typename T, typename A, int VEC>
 __global__ void stats_planes_kernel(const T* __restrict__ x, int64_t n, int64_t C, int64_t S,
                                     A* __restrict__ pn, A* __restrict__ pmean,
                                     A* __restrict__ pm2) {
@@ -137,9 +147,12 @@ __global__ void stats_planes_kernel(const T* __restrict__ x, int64_t n, int64_t 
   const A pivot = static_cast<A>(x[(d * n * C + c) * S]);  // first value of (d, c)
   WelfordData<A> w{A(0), A(0), A(0)};
   for (int64_t i = p * blockDim.y + threadIdx.y; i < n; i += chunks * blockDim.y) {
-    const T* __restrict__ plane = x + ((d * n + i) * C + c) * S;
-    for (int64_t s = threadIdx.x; s < S; s += blockDim.x) {
-      welford_push(w, static_cast<A>(plane[s]) - pivot);
+    const auto* __restrict__ plane =
+        reinterpret_cast<const Vec<T, VEC>*>(x + ((d * n + i) * C + c) * S);
+    for (int64_t s = threadIdx.x; s < S / VEC; s += blockDim.x) {
+      const Vec<T, VEC> in = plane[s];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) welford_push(w, static_cast<A>(in.v[k]) - pivot);
     }
   }
   w = block_welford(w, shared);
@@ -159,6 +172,7 @@ __device__ WelfordData<A> column_welford(WelfordData<A> v, WelfordData<A>* share
   const int tx = blockDim.x;  // a power of two <= kWarp
   for (int offset = kWarp / 2; offset >= tx; offset >>= 1) v = combine(v, shfl_xor(v, offset));
   const int tid = linear_tid(), lane = tid % kWarp, warp = tid / kWarp;
+  __syncthreads();  // `shared` may still be read from a previous call
   if (lane < tx) shared[warp * tx + lane] = v;
   __syncthreads();
   if (tid < tx) {
@@ -185,29 +199,43 @@ __device__ A column_sum(A v, A* shared) {
   return v;
 }
 
-// grid (ceil(W / tx), chunks, slices); partials (slices, chunks, W).
-template <typename T, typename A>
+// grid (ceil(W / VEC / tx), chunks, slices); partials (slices, chunks, W). A thread reduces
+// the VEC columns wv * VEC + k of its rows (W % VEC == 0, rows aligned); column w belongs
+// to channel w / per.
+template <typename T, typename A, int VEC>
 __global__ void stats_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t W, int64_t C,
                                   A* __restrict__ pn, A* __restrict__ pmean,
                                   A* __restrict__ pm2) {
   __shared__ WelfordData<A> shared[kThreads];
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t wv = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t p = blockIdx.y, d = blockIdx.z, chunks = gridDim.y;
-  WelfordData<A> acc{A(0), A(0), A(0)};
-  if (w < W) {
+  const int64_t WV = W / VEC;
+  WelfordData<A> acc[VEC];
+  A pivot[VEC];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) acc[k] = WelfordData<A>{A(0), A(0), A(0)};
+  if (wv < WV) {
     const int64_t per = W / C;
-    const A pivot = static_cast<A>(x[d * rows * W + (w / per) * per]);  // first of (d, c)
-    const T* __restrict__ base = x + d * rows * W + w;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {  // the first value of (d, c) for each column's channel
+      pivot[k] = static_cast<A>(x[d * rows * W + ((wv * VEC + k) / per) * per]);
+    }
+    const auto* __restrict__ base = reinterpret_cast<const Vec<T, VEC>*>(x + d * rows * W) + wv;
     for (int64_t r = p * blockDim.y + threadIdx.y; r < rows; r += chunks * blockDim.y) {
-      welford_push(acc, static_cast<A>(base[r * W]) - pivot);
+      const Vec<T, VEC> in = base[r * WV];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) welford_push(acc[k], static_cast<A>(in.v[k]) - pivot[k]);
     }
   }
-  acc = column_welford(acc, shared);
-  if (linear_tid() < static_cast<int>(blockDim.x) && w < W) {
-    const int64_t j = (d * chunks + p) * W + w;
-    pn[j] = acc.n;
-    pmean[j] = acc.mean;
-    pm2[j] = acc.m2;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    const WelfordData<A> col = column_welford(acc[k], shared);
+    if (linear_tid() < static_cast<int>(blockDim.x) && wv < WV) {
+      const int64_t j = (d * chunks + p) * W + wv * VEC + k;
+      pn[j] = col.n;
+      pmean[j] = col.mean;
+      pm2[j] = col.m2;
+    }
   }
 }
 
@@ -318,6 +346,7 @@ unsigned grid_1d(int64_t work) {
 // How a reduction over one layout is launched.
 struct ReducePlan {
   bool planes = false;
+  int vec = 1;       // values per load (16 bytes where every plane or row allows it)
   int64_t W = 0;     // columns of the partials (C for planes, C or C*S for rows)
   int64_t rows = 0;  // rows per slice (rows loop) or samples per slice (planes)
   int64_t chunks = 1;
@@ -330,17 +359,27 @@ int64_t next_pow2(int64_t v) {
   return p;
 }
 
-ReducePlan reduce_plan(const Geometry& g, Layout layout) {
+// The plan for inputs of `elem_size` bytes at `ptrs` (x, and dy in the backward).
+ReducePlan reduce_plan(const Geometry& g, Layout layout, int64_t elem_size,
+                       std::initializer_list<const void*> ptrs) {
   ReducePlan plan;
   const int64_t target_blocks = 4 * static_cast<int64_t>(sm_count());
   // Channels go to gridDim.y in the plane shape (at most 65535); more channels take the rows
   // shape, which is correct for ChannelsFirst input too. Slices go to gridDim.z in both.
   TORCH_CHECK(g.slices <= 65535, "syncbn_lab (CUDA): at most 65535 slices, got ", g.slices);
   plan.planes = layout == Layout::ChannelsFirst && g.S >= kPlaneMin && g.C <= 65535;
+  plan.W = plan.planes || layout == Layout::ChannelsLast ? g.C : g.C * g.S;
+  // A vector never crosses a plane (planes) or a row (rows): each then starts aligned.
+  const int64_t run = plan.planes ? g.S : plan.W;
+  plan.vec = static_cast<int>(16 / elem_size);
+  for (const void* ptr : ptrs) {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) plan.vec = 1;
+  }
+  if (run % plan.vec != 0) plan.vec = 1;
   if (plan.planes) {
-    const int64_t tx = std::min<int64_t>(kThreads, std::max<int64_t>(kWarp, next_pow2(g.S)));
+    const int64_t tx =
+        std::min<int64_t>(kThreads, std::max<int64_t>(kWarp, next_pow2(g.S / plan.vec)));
     const int64_t ty = kThreads / tx;
-    plan.W = g.C;
     plan.rows = g.n;
     const int64_t want = (target_blocks + g.C * g.slices - 1) / (g.C * g.slices);
     plan.chunks = std::max<int64_t>(1, std::min<int64_t>({want, (g.n + ty - 1) / ty, 65535}));
@@ -348,16 +387,27 @@ ReducePlan reduce_plan(const Geometry& g, Layout layout) {
     plan.block = dim3(tx, ty);
     return plan;
   }
-  plan.W = layout == Layout::ChannelsLast ? g.C : g.C * g.S;
   plan.rows = (layout == Layout::ChannelsLast ? g.S : 1) * g.n;
-  const int64_t tx = std::min<int64_t>(kWarp, next_pow2(plan.W));
+  const int64_t vec_cols = plan.W / plan.vec;
+  const int64_t tx = std::min<int64_t>(kWarp, next_pow2(vec_cols));
   const int64_t ty = kThreads / tx;
-  const int64_t col_blocks = (plan.W + tx - 1) / tx;
+  const int64_t col_blocks = (vec_cols + tx - 1) / tx;
   const int64_t want = (target_blocks + col_blocks * g.slices - 1) / (col_blocks * g.slices);
   plan.chunks = std::max<int64_t>(1, std::min<int64_t>({want, (plan.rows + ty - 1) / ty, 65535}));
   plan.grid = dim3(col_blocks, plan.chunks, g.slices);
   plan.block = dim3(tx, ty);
   return plan;
+}
+
+// Calls f(std::integral_constant<int, V>{}) with the plan's vector width as a constant.
+template <typename T, typename F>
+void with_vec(const ReducePlan& plan, F&& f) {
+  constexpr int kVec = 16 / sizeof(T);
+  if (plan.vec == kVec) {
+    f(std::integral_constant<int, kVec>{});
+  } else {
+    f(std::integral_constant<int, 1>{});
+  }
 }
 
 // Statistics of the g.slices rows of x (already in `layout`): the partial reductions and
@@ -366,7 +416,7 @@ ReducePlan reduce_plan(const Geometry& g, Layout layout) {
 // 1 / sqrt(var + eps)).
 void launch_stats(const Tensor& x, const Geometry& g, Layout layout, const Tensor& mean,
                   const Tensor& second, const Tensor& invstd, double eps) {
-  const ReducePlan plan = reduce_plan(g, layout);
+  const ReducePlan plan = reduce_plan(g, layout, x.element_size(), {x.const_data_ptr()});
   const auto opts = mean.options();
   Tensor pn = at::empty({g.slices, plan.chunks, plan.W}, opts);
   Tensor pmean = at::empty_like(pn);
@@ -376,16 +426,19 @@ void launch_stats(const Tensor& x, const Geometry& g, Layout layout, const Tenso
                                   [&] {
     using A = at::acc_type<scalar_t, true>;
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    if (plan.planes) {
-      stats_planes_kernel<scalar_t, A><<<plan.grid, plan.block, 0, stream>>>(
-          xp, g.n, g.C, g.S, pn.mutable_data_ptr<A>(), pmean.mutable_data_ptr<A>(),
-          pm2.mutable_data_ptr<A>());
-    } else {
-      stats_rows_kernel<scalar_t, A><<<plan.grid, plan.block, 0, stream>>>(
-          xp, plan.rows, plan.W, g.C, pn.mutable_data_ptr<A>(), pmean.mutable_data_ptr<A>(),
-          pm2.mutable_data_ptr<A>());
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    with_vec<scalar_t>(plan, [&](auto vec_c) {
+      constexpr int V = decltype(vec_c)::value;
+      if (plan.planes) {
+        stats_planes_kernel<scalar_t, A, V><<<plan.grid, plan.block, 0, stream>>>(
+            xp, g.n, g.C, g.S, pn.mutable_data_ptr<A>(), pmean.mutable_data_ptr<A>(),
+            pm2.mutable_data_ptr<A>());
+      } else {
+        stats_rows_kernel<scalar_t, A, V><<<plan.grid, plan.block, 0, stream>>>(
+            xp, plan.rows, plan.W, g.C, pn.mutable_data_ptr<A>(), pmean.mutable_data_ptr<A>(),
+            pm2.mutable_data_ptr<A>());
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
     Finalize<A> fin;
     if (invstd.defined()) {
       fin.invstd = invstd.mutable_data_ptr<A>();
@@ -465,11 +518,6 @@ std::tuple<Tensor, Tensor, Tensor> merge_stats_cuda(const Tensor& count_in, cons
 // Elementwise kernels
 // ----------------------------------------------------------------------------------------
 
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Vec {
-  T v[VEC];
-};
-
 // Channel and slice of the element at flat index `idx` (first of a vector).
 template <bool CL, typename I>
 __device__ __forceinline__ void locate(I idx, I C, I S, I slice_elems, I& c, I& g) {
@@ -548,8 +596,16 @@ __global__ void backward_elemt_kernel(const T* __restrict__ dy, const T* __restr
   }
 }
 
+// dy' (dy masked by the ReLU, y recomputed from x) and dy' * (x - mean) of one value.
+template <typename A, bool RELU>
+__device__ __forceinline__ void grad_push(A& sdy, A& sdyx, A xv, A gv, A mu, A scale, A shift) {
+  if (RELU) gv = affine(xv, mu, scale, shift) > A(0) ? gv : A(0);
+  sdy += gv;
+  sdyx += gv * (xv - mu);
+}
+
 // Sums of dy' and dy' * (x - mean) for the planes shape; partials (slices, chunks, C).
-template <typename T, typename A, bool RELU>
+template <typename T, typename A, bool RELU, int VEC>
 __global__ void grad_sums_planes_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                         Params<A> prm, int64_t n, int64_t C, int64_t S,
                                         A* __restrict__ psdy, A* __restrict__ psdyx) {
@@ -561,12 +617,15 @@ __global__ void grad_sums_planes_kernel(const T* __restrict__ dy, const T* __res
   A sdy = 0, sdyx = 0;
   for (int64_t i = p * blockDim.y + threadIdx.y; i < n; i += chunks * blockDim.y) {
     const int64_t off = ((d * n + i) * C + c) * S;
-    for (int64_t s = threadIdx.x; s < S; s += blockDim.x) {
-      const A xv = static_cast<A>(x[off + s]);
-      A gv = static_cast<A>(dy[off + s]);
-      if (RELU) gv = affine(xv, mu, scale, shift) > A(0) ? gv : A(0);
-      sdy += gv;
-      sdyx += gv * (xv - mu);
+    const auto* __restrict__ xs = reinterpret_cast<const Vec<T, VEC>*>(x + off);
+    const auto* __restrict__ gs = reinterpret_cast<const Vec<T, VEC>*>(dy + off);
+    for (int64_t s = threadIdx.x; s < S / VEC; s += blockDim.x) {
+      const Vec<T, VEC> xin = xs[s], gin = gs[s];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        grad_push<A, RELU>(sdy, sdyx, static_cast<A>(xin.v[k]), static_cast<A>(gin.v[k]), mu,
+                           scale, shift);
+      }
     }
   }
   sdy = block_sum(sdy, shared);
@@ -577,33 +636,47 @@ __global__ void grad_sums_planes_kernel(const T* __restrict__ dy, const T* __res
   }
 }
 
-// Rows shape: column w of a row belongs to channel w / per; partials (slices, chunks, W).
-template <typename T, typename A, bool RELU>
+// Rows shape, VEC columns per thread as in stats_rows_kernel; partials (slices, chunks, W).
+template <typename T, typename A, bool RELU, int VEC>
 __global__ void grad_sums_rows_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                       Params<A> prm, int64_t rows, int64_t W, int64_t C,
                                       A* __restrict__ psdy, A* __restrict__ psdyx) {
   __shared__ A shared[kThreads];
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t wv = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t p = blockIdx.y, d = blockIdx.z, chunks = gridDim.y;
-  A sdy = 0, sdyx = 0;
-  if (w < W) {
-    const int64_t c = w / (W / C);
-    const int64_t gc = d * C + c;
-    const A mu = prm.mean[gc], scale = prm.scale(gc, c), shift = prm.shift(c);
-    const int64_t base = d * rows * W + w;
+  const int64_t WV = W / VEC;
+  A sdy[VEC], sdyx[VEC];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) sdy[k] = sdyx[k] = A(0);
+  if (wv < WV) {
+    const int64_t per = W / C;
+    A mu[VEC], scale[VEC], shift[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const int64_t c = (wv * VEC + k) / per;
+      mu[k] = prm.mean[d * C + c];
+      scale[k] = prm.scale(d * C + c, c);
+      shift[k] = prm.shift(c);
+    }
+    const auto* __restrict__ xs = reinterpret_cast<const Vec<T, VEC>*>(x + d * rows * W) + wv;
+    const auto* __restrict__ gs = reinterpret_cast<const Vec<T, VEC>*>(dy + d * rows * W) + wv;
     for (int64_t r = p * blockDim.y + threadIdx.y; r < rows; r += chunks * blockDim.y) {
-      const A xv = static_cast<A>(x[base + r * W]);
-      A gv = static_cast<A>(dy[base + r * W]);
-      if (RELU) gv = affine(xv, mu, scale, shift) > A(0) ? gv : A(0);
-      sdy += gv;
-      sdyx += gv * (xv - mu);
+      const Vec<T, VEC> xin = xs[r * WV], gin = gs[r * WV];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        grad_push<A, RELU>(sdy[k], sdyx[k], static_cast<A>(xin.v[k]), static_cast<A>(gin.v[k]),
+                           mu[k], scale[k], shift[k]);
+      }
     }
   }
-  sdy = column_sum(sdy, shared);
-  sdyx = column_sum(sdyx, shared);
-  if (linear_tid() < static_cast<int>(blockDim.x) && w < W) {
-    psdy[(d * chunks + p) * W + w] = sdy;
-    psdyx[(d * chunks + p) * W + w] = sdyx;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    const A col_dy = column_sum(sdy[k], shared);
+    const A col_dyx = column_sum(sdyx[k], shared);
+    if (linear_tid() < static_cast<int>(blockDim.x) && wv < WV) {
+      psdy[(d * chunks + p) * W + wv * VEC + k] = col_dy;
+      psdyx[(d * chunks + p) * W + wv * VEC + k] = col_dyx;
+    }
   }
 }
 
@@ -741,7 +814,8 @@ std::tuple<Tensor, Tensor> launch_backward_reduce(const Prepared& p, const Tenso
   Tensor sum_dy = at::empty(stat_sizes, opts);
   Tensor sum_dy_xhat = at::empty(stat_sizes, opts);
   const Geometry& g = p.g;
-  const ReducePlan plan = reduce_plan(g, p.layout);
+  const ReducePlan plan =
+      reduce_plan(g, p.layout, p.x.element_size(), {p.x.const_data_ptr(), dy.const_data_ptr()});
   Tensor psdy = at::empty({g.slices, plan.chunks, plan.W}, opts);
   Tensor psdyx = at::empty_like(psdy);
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -751,23 +825,26 @@ std::tuple<Tensor, Tensor> launch_backward_reduce(const Prepared& p, const Tenso
     const Params<A> prm = params_of<A>(p);
     const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
     const scalar_t* gp = dy.const_data_ptr<scalar_t>();
-    auto launch = [&](auto relu_c) {
+    auto launch = [&](auto relu_c, auto vec_c) {
       constexpr bool R = decltype(relu_c)::value;
+      constexpr int V = decltype(vec_c)::value;
       if (plan.planes) {
-        grad_sums_planes_kernel<scalar_t, A, R><<<plan.grid, plan.block, 0, stream>>>(
+        grad_sums_planes_kernel<scalar_t, A, R, V><<<plan.grid, plan.block, 0, stream>>>(
             gp, xp, prm, g.n, g.C, g.S, psdy.mutable_data_ptr<A>(), psdyx.mutable_data_ptr<A>());
       } else {
-        grad_sums_rows_kernel<scalar_t, A, R><<<plan.grid, plan.block, 0, stream>>>(
+        grad_sums_rows_kernel<scalar_t, A, R, V><<<plan.grid, plan.block, 0, stream>>>(
             gp, xp, prm, plan.rows, plan.W, g.C, psdy.mutable_data_ptr<A>(),
             psdyx.mutable_data_ptr<A>());
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    if (relu) {
-      launch(std::true_type{});
-    } else {
-      launch(std::false_type{});
-    }
+    with_vec<scalar_t>(plan, [&](auto vec_c) {
+      if (relu) {
+        launch(std::true_type{}, vec_c);
+      } else {
+        launch(std::false_type{}, vec_c);
+      }
+    });
     sum_partials_kernel<A><<<grid_1d(g.slices * g.C), kThreads, 0, stream>>>(
         psdy.const_data_ptr<A>(), psdyx.const_data_ptr<A>(), g.slices, plan.chunks, g.C,
         plan.W / g.C, prm.invstd, sum_dy.mutable_data_ptr<A>(), sum_dy_xhat.mutable_data_ptr<A>());

@@ -79,12 +79,14 @@ CPU = torch.ops.syncbn_lab
 TOL = {torch.float32: 2e-5, torch.float64: 1e-12, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 # Every launch shape: rows (2-D, channels_last, NCHW with S < 32), planes (S >= 32), one and
-# several chunks per channel (the emulation has 2 SMs: 8 blocks wanted), 5-D input.
+# several chunks per channel (the emulation has 2 SMs: 8 blocks wanted), 5-D input; 16-byte
+# loads (planes and rows whose length is a multiple of 4 floats) and single values (odd).
 SHAPES = {
     "2d_chunks": (512, 3),
     "3d_plane": (4, 6, 33),
     "short_rows": (4, 6, 2, 3),
     "plane_chunks": (64, 2, 32),
+    "vec_rows_chunks": (128, 8, 2, 2),
     "4d": (8, 4, 6, 6),
     "5d": (2, 4, 2, 3, 4),
 }
@@ -152,6 +154,21 @@ def test_other_dtypes_match_the_cpu_kernels(emu, dtype, layout):
     assert_same(
         emu.batch_norm_train_backward(*back), CPU.batch_norm_train_backward(*back), TOL[dtype]
     )
+
+
+@pytest.mark.parametrize("shape", [(8, 4, 6, 6), (16, 8, 2, 2)], ids=["planes", "rows"])
+def test_misaligned_input_takes_single_value_loads(emu, shape):
+    """x one float past a 16-byte boundary: the reductions and elementwise passes fall back
+    to single-value loads (dy stays aligned)."""
+    x, dy, w, b = inputs(shape, torch.float32, "contiguous", seed=5)
+    storage = torch.empty(x.numel() + 1)
+    shifted = storage[1:].view(shape).copy_(x)
+    assert shifted.data_ptr() % 16 != 0
+    train = (shifted, w, b, 2, 1, 1e-5, True)
+    out = CPU.batch_norm_train(*train)
+    assert_same(emu.batch_norm_train(*train), out, 2e-5)
+    back = (dy, shifted, w, b, out[1], out[3], True, True)
+    assert_same(emu.batch_norm_train_backward(*back), CPU.batch_norm_train_backward(*back), 2e-4)
 
 
 def test_large_offset_and_empty_input(emu):
