@@ -370,6 +370,10 @@ def test_auto_refuses_inputs_the_kernels_do_not_take():
     assert "meta tensors" in F.fused_unavailable_reason(torch.empty(2, C, device="meta"))
 
 
+def test_cuda_kernels_asked_once_at_import_still_agree_with_the_dispatcher():
+    assert ops.has_cuda_kernels() == _ext.has_cuda_kernels()
+
+
 def test_fused_without_the_extension_is_one_clear_line(monkeypatch):
     _pretend_not_built(monkeypatch)
     for make in (lambda: SyncBatchNorm(C, impl="fused"), lambda: BatchNorm(C, impl="fused")):

@@ -274,3 +274,25 @@ def test_cuda_module_fused_equals_reference():
             outs.append((bn(xi).detach(), xi.grad, bn.weight.grad, bn.running_mean, bn.running_var))
         for a, r in zip(*outs, strict=True):
             torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_cuda_module_compiles_fullgraph():
+    """SyncBatchNorm(impl="fused") on the GPU under torch.compile(fullgraph=True): one graph
+    (no data-dependent guard, no dispatcher query per step), the eager module's numbers."""
+    from syncbn_lab.nn import SyncBatchNorm
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 4, 6, 6, generator=g).cuda().contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(8, 4, 6, 6, generator=g).cuda()
+    results = []
+    for compile_it in (False, True):
+        bn = SyncBatchNorm(4, impl="fused").cuda()
+        model = torch.compile(bn, fullgraph=True) if compile_it else bn
+        xi = x.clone().requires_grad_()
+        for _ in range(2):  # the second call reuses the graph
+            y = model(xi)
+            y.backward(dy)
+        results.append((y.detach(), xi.grad, bn.weight.grad, bn.running_mean, bn.running_var))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -142,7 +142,7 @@ def fused_unavailable_reason(x: Tensor | None = None) -> str | None:
         return None
     if x.dtype not in _FUSED_DTYPES:
         return f"no fused kernels for {x.dtype} input"
-    if x.device.type == "cpu" or (x.device.type == "cuda" and _ext.has_cuda_kernels()):
+    if x.device.type == "cpu" or (x.device.type == "cuda" and ops.has_cuda_kernels()):
         return None
     return f"no fused kernels for {x.device.type} tensors in this build"
 
