@@ -538,6 +538,50 @@ struct Params {
   __device__ __forceinline__ A shift(int64_t c) const { return bias ? bias[c] : A(0); }
 };
 
+// The per-channel values behind the VEC elements of a vector that starts at channel c0 of
+// statistic row g: one channel for all (ChannelsFirst), or VEC consecutive channels
+// (ChannelsLast), read as one vector load per array instead of VEC scalar loads.
+template <bool CL, int VEC, typename A, typename I>
+__device__ __forceinline__ void per_lane(const A* __restrict__ values, I at, A (&out)[VEC]) {
+  if constexpr (CL && VEC > 1) {
+    const Vec<A, VEC> in = *reinterpret_cast<const Vec<A, VEC>*>(values + at);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[k] = in.v[k];
+  } else {
+    const A v = values[at];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[k] = v;
+  }
+}
+
+// mean, invstd, scale = weight * invstd and shift = bias of each element of the vector.
+template <typename A, int VEC>
+struct LaneParams {
+  A mean[VEC], invstd[VEC], scale[VEC], shift[VEC];
+};
+
+template <bool CL, int VEC, typename A, typename I>
+__device__ __forceinline__ LaneParams<A, VEC> lane_params(const Params<A>& prm, I g, I C, I c0) {
+  LaneParams<A, VEC> lp;
+  per_lane<CL, VEC>(prm.mean, g * C + c0, lp.mean);
+  per_lane<CL, VEC>(prm.invstd, g * C + c0, lp.invstd);
+  if (prm.weight) {
+    per_lane<CL, VEC>(prm.weight, c0, lp.scale);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) lp.scale[k] = lp.scale[k] * lp.invstd[k];  // as Params::scale
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) lp.scale[k] = lp.invstd[k];
+  }
+  if (prm.bias) {
+    per_lane<CL, VEC>(prm.bias, c0, lp.shift);
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) lp.shift[k] = A(0);
+  }
+  return lp;
+}
+
 template <typename T, typename A, bool RELU, bool CL, int VEC, typename I>
 __global__ void forward_kernel(const T* __restrict__ x, T* __restrict__ y, Params<A> prm, I total,
                                I C, I S, I slice_elems) {
@@ -546,14 +590,13 @@ __global__ void forward_kernel(const T* __restrict__ x, T* __restrict__ y, Param
   for (I v = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; v < nvec; v += stride) {
     const I base = v * VEC;
     I c0, g;
-    locate<CL>(base, C, S, slice_elems, c0, g);
+    locate<CL>(base, C, S, slice_elems, c0, g);  // a vector stays in one slice and row
+    const LaneParams<A, VEC> lp = lane_params<CL, VEC>(prm, g, C, c0);
     const Vec<T, VEC> in = reinterpret_cast<const Vec<T, VEC>*>(x)[v];
     Vec<T, VEC> out;
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      const I c = CL ? c0 + k : c0;  // VEC > 1 only where a vector stays in one slice/row
-      const I gc = g * C + c;
-      A r = affine(static_cast<A>(in.v[k]), prm.mean[gc], prm.scale(gc, c), prm.shift(c));
+      A r = affine(static_cast<A>(in.v[k]), lp.mean[k], lp.scale[k], lp.shift[k]);
       if (RELU) r = r < A(0) ? A(0) : r;
       out.v[k] = static_cast<T>(r);
     }
@@ -576,20 +619,21 @@ __global__ void backward_elemt_kernel(const T* __restrict__ dy, const T* __restr
     locate<CL>(base, C, S, slice_elems, c0, g);
     const A m = count ? count[per_slice_count ? g : 0] : count_value;  // values per row
     const A inv_m = m > A(0) ? A(1) / m : A(0);
+    const LaneParams<A, VEC> lp = lane_params<CL, VEC>(prm, g, C, c0);
+    A s1[VEC], s2[VEC];
+    per_lane<CL, VEC>(sum_dy, g * C + c0, s1);
+    per_lane<CL, VEC>(sum_dy_xhat, g * C + c0, s2);
     const Vec<T, VEC> xin = reinterpret_cast<const Vec<T, VEC>*>(x)[v];
     const Vec<T, VEC> gin = reinterpret_cast<const Vec<T, VEC>*>(dy)[v];
     Vec<T, VEC> out;
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      const I c = CL ? c0 + k : c0;
-      const I gc = g * C + c;
-      const A scale = prm.scale(gc, c);
-      const A mu = prm.mean[gc];
+      const A scale = lp.scale[k], mu = lp.mean[k];
       const A xv = static_cast<A>(xin.v[k]);
       A gv = static_cast<A>(gin.v[k]);
-      if (RELU) gv = affine(xv, mu, scale, prm.shift(c)) > A(0) ? gv : A(0);
-      const A kx = scale * prm.invstd[gc] * sum_dy_xhat[gc] * inv_m;
-      const A k0 = scale * sum_dy[gc] * inv_m;
+      if (RELU) gv = affine(xv, mu, scale, lp.shift[k]) > A(0) ? gv : A(0);
+      const A kx = scale * lp.invstd[k] * s2[k] * inv_m;
+      const A k0 = scale * s1[k] * inv_m;
       out.v[k] = static_cast<T>(gv * scale - kx * (xv - mu) - k0);
     }
     reinterpret_cast<Vec<T, VEC>*>(dx)[v] = out;
@@ -716,14 +760,21 @@ Params<A> params_of(const Prepared& p) {
 }
 
 // Elements per 16-byte vector when every vector stays within one (slice, channel row) and
-// all pointers are aligned; else 1.
-template <typename T>
-int vector_width(const Prepared& p, std::initializer_list<const void*> ptrs) {
+// the tensors' pointers are 16-byte aligned; else 1. For ChannelsLast the per-channel arrays
+// (`channel_ptrs`, nullptr for an absent one) are read as vectors too (lane_params): they
+// must be aligned to a vector of their dtype A.
+template <typename T, typename A>
+int vector_width(const Prepared& p, std::initializer_list<const void*> ptrs,
+                 std::initializer_list<const void*> channel_ptrs) {
   constexpr int vec = 16 / sizeof(T);
-  const int64_t run = p.layout == Layout::ChannelsLast ? p.g.C : p.g.S;
+  const bool cl = p.layout == Layout::ChannelsLast;
+  const int64_t run = cl ? p.g.C : p.g.S;
   if (vec <= 1 || run % vec != 0) return 1;
   for (const void* ptr : ptrs) {
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return 1;
+  }
+  for (const void* ptr : channel_ptrs) {
+    if (cl && reinterpret_cast<uintptr_t>(ptr) % (sizeof(A) * vec) != 0) return 1;
   }
   return vec;
 }
@@ -768,7 +819,8 @@ Tensor launch_forward(const Prepared& p, bool relu) {
     const Params<A> prm = params_of<A>(p);
     const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
     scalar_t* yp = y.mutable_data_ptr<scalar_t>();
-    const int vec = vector_width<scalar_t>(p, {xp, yp});
+    const int vec = vector_width<scalar_t, A>(p, {xp, yp},
+                                              {prm.mean, prm.invstd, prm.weight, prm.bias});
     auto launch = [&](auto relu_c, auto cl_c, auto vec_c, auto index) {
       using I = decltype(index);
       constexpr int V = decltype(vec_c)::value;
@@ -875,13 +927,16 @@ Tensor launch_backward_elemt(const Prepared& p, const Tensor& dy, const Tensor& 
     const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
     const scalar_t* gp = dy.const_data_ptr<scalar_t>();
     scalar_t* op = dx.mutable_data_ptr<scalar_t>();
-    const int vec = vector_width<scalar_t>(p, {xp, gp, op});
+    const A* s1 = sum_dy.const_data_ptr<A>();
+    const A* s2 = sum_dy_xhat.const_data_ptr<A>();
+    const int vec = vector_width<scalar_t, A>(
+        p, {xp, gp, op}, {prm.mean, prm.invstd, prm.weight, prm.bias, s1, s2});
     auto launch = [&](auto relu_c, auto cl_c, auto vec_c, auto index) {
       using I = decltype(index);
       constexpr int V = decltype(vec_c)::value;
       backward_elemt_kernel<scalar_t, A, decltype(relu_c)::value, decltype(cl_c)::value, V, I>
           <<<grid_1d(total / V), kThreads, 0, stream>>>(
-              gp, xp, op, prm, sum_dy.const_data_ptr<A>(), sum_dy_xhat.const_data_ptr<A>(), mp,
+              gp, xp, op, prm, s1, s2, mp,
               per_slice_count, static_cast<A>(count_value), static_cast<I>(total),
               static_cast<I>(p.g.C), static_cast<I>(p.g.S), static_cast<I>(slice_elems));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
