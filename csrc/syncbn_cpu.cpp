@@ -1151,8 +1151,7 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward_cpu(
       dx = backward_elemt_cpu(dy_in, x_in, mean, invstd, weight, bias, sum_dy, sum_dy_xhat,
                               count, relu);
     }
-    if (p.g.slices == 1) return {dx, sum_dy_xhat.view({-1}), sum_dy.view({-1})};
-    return {dx, sum_dy_xhat.sum(0), sum_dy.sum(0)};
+    return with_param_grads(dx, sum_dy, sum_dy_xhat);
   }
   const Tensor dy = as_layout(dy_in, p.layout);
   Tensor dx = input_grad ? empty_in_layout(p.x.sizes(), p.x.options(), p.layout)
