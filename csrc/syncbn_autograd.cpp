@@ -31,6 +31,9 @@ class BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
                          .typed<std::tuple<Tensor, Tensor, Tensor, Tensor>(
                              const Tensor&, const std::optional<Tensor>&,
                              const std::optional<Tensor>&, int64_t, int64_t, double, bool)>();
+    // mean, var and invstd take no gradient: without this the engine would hand backward
+    // three zero-filled (G, C) tensors per step (three fill launches on a GPU).
+    ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [y, mean, var, invstd] =
         op.call(x, weight, bias, devices, group_size, eps, relu);

@@ -397,3 +397,28 @@ def test_update_running_stats_guards_coarse_means():
     assert ops.update_running_stats(running_mean, running_var, coarse, var, invstd, 0.5, 10, 16)
     torch.testing.assert_close(running_mean, before)
     assert not ops.update_running_stats(None, None, coarse, var, invstd, 0.5, 10, 0.0)
+
+
+def test_backward_makes_no_zero_gradients_for_the_statistics():
+    """mean, var and invstd take no gradient: the backward is the one op (plus the gradient
+    accumulation), with no zero-filled gradients materialised for them (three fill kernels
+    per layer and step on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(8, 4, 3, 3, requires_grad=True)
+    w, b = torch.ones(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    out = ops.batch_norm_train(x, w, b, 2, 1, 1e-5, False)
+    with Recorder() as recorder:
+        out.y.backward(torch.randn_like(x))
+    assert recorder.ops.count("syncbn_lab.batch_norm_train_backward") == 1
+    assert not [op for op in recorder.ops if "zero" in op or "fill" in op], recorder.ops
+    assert x.grad is not None and w.grad is not None and b.grad is not None
