@@ -267,6 +267,9 @@ class _ReducedBatchNorm(torch.autograd.Function):
         ctx.relu = relu
         ctx.reduce_grads = reduce_grads
         ctx.mark_non_differentiable(mean, var, count)
+        # No zero-filled gradients for mean, var and count; dy is always given (only y is
+        # differentiable, so backward runs only when y has a gradient).
+        ctx.set_materialize_grads(False)
         return y, mean, var, count
 
     @staticmethod
