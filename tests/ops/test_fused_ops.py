@@ -278,6 +278,47 @@ def test_reducers_path_equals_the_composite():
         ops.fused_batch_norm_train(x, w, b, reduce_stats=reduce_stats)
 
 
+class _NoGradient(torch.autograd.Function):
+    """Passes its input on and gives it no gradient (None) in the backward."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+def test_y_given_no_gradient_gives_zero_gradients():
+    """Gradients are not materialised as zeros (see the test above): when a later op hands y
+    no gradient, both autograd paths still give zero d(weight), d(bias) and dx, and the
+    reducers' collective still runs (every rank must take part)."""
+    x, w, b, _ = make_inputs((8, 3, 5, 5), torch.float64, seed=8)
+    w, b = w.double(), b.double()
+    calls = []
+
+    def reduce_grads(sum_dy, sum_dy_xhat):
+        calls.append(sum_dy)
+        return sum_dy, sum_dy_xhat
+
+    runs = [
+        lambda x, w, b: ops.batch_norm_train(x, w, b, 2, 1, 1e-5, True).y,
+        lambda x, w, b: (
+            ops.fused_batch_norm_train(
+                x, w, b, 2, relu=True, reduce_stats=ops.merge_stats, reduce_grads=reduce_grads
+            ).y
+        ),
+    ]
+    for run in runs:
+        xa = x.clone().requires_grad_()
+        wa, ba = w.clone().requires_grad_(), b.clone().requires_grad_()
+        (_NoGradient.apply(run(xa, wa, ba)).sum() + xa.sum()).backward()
+        assert torch.equal(xa.grad, torch.ones_like(x))  # xa.sum()'s gradient alone
+        assert not wa.grad.any() and not ba.grad.any()
+    assert len(calls) == 1 and not calls[0].any()
+
+
 # --- errors --------------------------------------------------------------------------------------
 
 

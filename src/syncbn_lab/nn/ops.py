@@ -267,14 +267,14 @@ class _ReducedBatchNorm(torch.autograd.Function):
         ctx.relu = relu
         ctx.reduce_grads = reduce_grads
         ctx.mark_non_differentiable(mean, var, count)
-        # No zero-filled gradients for mean, var and count; dy is always given (only y is
-        # differentiable, so backward runs only when y has a gradient).
-        ctx.set_materialize_grads(False)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for mean, var and count
         return y, mean, var, count
 
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar, _dcount):
         x, weight, bias, mean, invstd, count = ctx.saved_tensors
+        if dy is None:  # a later op gave y no gradient: zero (the collective still runs)
+            dy = torch.zeros_like(x)
         ops = torch.ops.syncbn_lab
         sum_dy, sum_dy_xhat = ops.backward_reduce(dy, x, mean, invstd, weight, bias, ctx.relu)
         dweight = _rows_sum(sum_dy_xhat, weight) if ctx.needs_input_grad[1] else None
