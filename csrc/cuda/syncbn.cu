@@ -377,8 +377,9 @@ ReducePlan reduce_plan(const Geometry& g, Layout layout, int64_t elem_size,
   }
   if (run % plan.vec != 0) plan.vec = 1;
   if (plan.planes) {
-    const int64_t tx =
-        std::min<int64_t>(kThreads, std::max<int64_t>(kWarp, next_pow2(g.S / plan.vec)));
+    // The block reduces all its threads together, so tx may be below a warp: with 16-byte
+    // loads a short plane (S = 64 floats: 16 vectors) keeps every lane busy.
+    const int64_t tx = std::min<int64_t>(kThreads, next_pow2(g.S / plan.vec));
     const int64_t ty = kThreads / tx;
     plan.rows = g.n;
     const int64_t want = (target_blocks + g.C * g.slices - 1) / (g.C * g.slices);
