@@ -296,3 +296,16 @@ def test_cuda_module_compiles_fullgraph():
         results.append((y.detach(), xi.grad, bn.weight.grad, bn.running_mean, bn.running_var))
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_cuda_update_running_stats_without_a_check_does_not_sync():
+    """mean_limit 0 (float64 input, or the guard switched off): nothing is read back."""
+    stats = [torch.rand(2, 16, device="cuda", dtype=torch.float64) + 0.5 for _ in range(3)]
+    running = [torch.zeros(16, device="cuda", dtype=torch.float64) for _ in range(2)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert not ops.update_running_stats(*running, *stats, 0.1, 10, 0.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert running[0].abs().sum() > 0  # the update itself ran

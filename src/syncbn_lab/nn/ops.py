@@ -201,11 +201,12 @@ def update_running_stats(
     """Eager bookkeeping of a :func:`batch_norm_train` step in one op call: returns True (and
     updates nothing) when some row has ``|mean| * invstd > mean_limit`` (0: no check);
     otherwise moves the running statistics, if given, by ``factor`` towards row 0's mean and
-    unbiased variance of ``count`` values. Reads a value back (a device sync on a GPU)."""
+    unbiased variance of ``count`` values. Reads the answer back (a device sync on a GPU)
+    only when there is a check (``mean_limit > 0``; float64 input has none)."""
     too_coarse = _ops().update_running_stats(
         running_mean, running_var, mean, var, invstd, factor, count, mean_limit
     )
-    return bool(too_coarse.item())
+    return mean_limit > 0 and bool(too_coarse.item())
 
 
 def fused_batch_norm_train(
