@@ -143,6 +143,25 @@ def test_primitives_and_composites_match_the_cpu_kernels(emu, shape, layout, dev
                 )
 
 
+def test_merges_take_several_rounds_of_lane_groups(emu, monkeypatch):
+    """One SM (EMU_SMS=1: 8 blocks of 256 threads): 256 outputs of 12 or 9 entries need two
+    rounds of 16-lane groups in merge_kernel (statistics, merge_stats) and
+    sum_partials_kernel."""
+    monkeypatch.setenv("EMU_SMS", "1")
+    x, dy, w, b = inputs((4, 128, 3, 4), torch.float32, "contiguous", seed=9)
+    count, mean, m2 = CPU.local_stats(x, 2)
+    assert_same(emu.local_stats(x, 2), (count, mean, m2), 2e-5)
+    invstd = torch.rsqrt(m2 / count[:, None] + 1e-5)
+    args = (dy, x, mean, invstd, w, b, True)
+    assert_same(emu.backward_reduce(*args), CPU.backward_reduce(*args), 2e-4)
+    # 9 ranks' statistics of the 2 slices (rank k shifted by k / 10, rank 4 empty).
+    shift = torch.arange(9.0)[None, :, None] / 10
+    ranks_count = count[:, None].repeat(1, 9)
+    ranks_count[:, 4] = 0
+    ranks = (ranks_count, mean[:, None] + shift, m2[:, None].repeat(1, 9, 1))
+    assert_same(emu.merge_stats(*ranks), CPU.merge_stats(*ranks), 2e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_other_dtypes_match_the_cpu_kernels(emu, dtype, layout):
