@@ -93,28 +93,6 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward_composite(
   return with_param_grads(dx, sum_dy, sum_dy_xhat);
 }
 
-// The eager bookkeeping after batch_norm_train in one call (a training step would
-// otherwise pay about ten small Python-dispatched ops for it). True, and nothing updated,
-// when some row has |mean| * invstd > mean_limit (the float32 mean too coarse for the
-// kernels; the caller then runs the reference); otherwise the running statistics, when
-// given, move by `factor` towards row 0's mean and unbiased variance (count values).
-Tensor update_running_stats(const std::optional<Tensor>& running_mean,
-                            const std::optional<Tensor>& running_var, const Tensor& mean,
-                            const Tensor& var, const Tensor& invstd, double factor,
-                            int64_t count, double mean_limit) {
-  check_update_running_stats(running_mean, running_var, mean, var, invstd);
-  const bool coarse = mean_limit > 0 && mean.numel() > 0 &&
-                      mean.mul(invstd).abs_().max().item<double>() > mean_limit;
-  if (!coarse && running_mean.has_value()) {
-    TORCH_CHECK(count > 1, "syncbn_lab::update_running_stats: count must be > 1, got ", count);
-    at::NoGradGuard no_grad;
-    const double unbias = static_cast<double>(count) / static_cast<double>(count - 1);
-    running_mean->lerp_(mean[0].to(running_mean->scalar_type()), factor);
-    running_var->lerp_(var[0].mul(unbias).to(running_var->scalar_type()), factor);
-  }
-  return at::scalar_tensor(coarse, mean.options().dtype(at::kBool));
-}
-
 TORCH_LIBRARY(syncbn_lab, m) {
   // Shapes: x (N, C, *spatial); `devices` equal slices along N; stats in float32
   // (float64 for float64 input). See README.md for the full contract of each op.
@@ -136,6 +114,7 @@ TORCH_LIBRARY(syncbn_lab, m) {
       "batch_norm_train_backward(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, "
       "Tensor mean, Tensor invstd, bool relu, bool input_grad) "
       "-> (Tensor dx, Tensor dweight, Tensor dbias)");
+  // update_running_stats has a kernel per device (CPU and CUDA), no composite.
   m.def(
       "update_running_stats(Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor mean, "
       "Tensor var, Tensor invstd, float factor, int count, float mean_limit) "
@@ -145,7 +124,6 @@ TORCH_LIBRARY(syncbn_lab, m) {
 TORCH_LIBRARY_IMPL(syncbn_lab, CompositeExplicitAutograd, m) {
   m.impl("batch_norm_train", &batch_norm_train_composite);
   m.impl("batch_norm_train_backward", &batch_norm_train_backward_composite);
-  m.impl("update_running_stats", &update_running_stats);
 }
 
 }  // namespace syncbn_lab
