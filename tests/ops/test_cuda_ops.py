@@ -309,3 +309,30 @@ def test_cuda_update_running_stats_without_a_check_does_not_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert running[0].abs().sum() > 0  # the update itself ran
+
+
+def test_cuda_training_step_launches_six_kernels():
+    """A small layer's step is bound by the host's launches: batch_norm_train and its
+    backward run 3 kernels each (statistics, merge, elementwise; sums, merge, dx), with no
+    fill kernels for zero gradients (parameters without .grad take theirs as they are)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, w, b, dy = make_cuda_inputs((16, 8, 6, 6), torch.float32, "channels_last")
+
+    def step():
+        xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
+        ops.batch_norm_train(xs, ws, bs, 1, 1, 1e-5, False).y.backward(dy)
+
+    step()
+    inputs = [t.detach().clone() for t in (x, w, b)]  # the clones' copies are not counted
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        xs, ws, bs = (t.requires_grad_() for t in inputs)
+        ops.batch_norm_train(xs, ws, bs, 1, 1, 1e-5, False).y.backward(dy)
+        torch.cuda.synchronize()
+    kernels = [
+        e.name
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
+    ]
+    assert len(kernels) == 6, kernels
