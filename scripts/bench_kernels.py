@@ -17,7 +17,9 @@ vs cuDNN BatchNorm2d (target <= 1.1x), the effective bandwidth of each kernel (b
 move / time) against a device copy of the same tensor (target >= 80 % on >= 256 MB), and
 BN+ReLU fused vs BN then ReLU (target >= 1.25x). Also the device operations per step and
 their summed time against the step's (torch.profiler), with module_noguard: the module with
-its precision guard off, the cost of that guard's one host synchronisation per layer.
+its precision guard off, the cost of that guard's one host synchronisation per layer, and
+module_emulated8: SyncBN over 8 emulated devices (the primitives around the reference's
+reduction; its times are in the JSON).
 
     python scripts/bench_kernels.py [--rounds 21] [--threads N] [--stat min|median]
                                     [--no-cpu] [--no-gpu] [--json FILE]
@@ -68,11 +70,14 @@ class Layer:
             self.running_var.lerp_(out.var[0] * (count / (count - 1)), 0.1)
         return out.y
 
-    def module(self) -> torch.nn.Module:
-        """syncbn_lab's SyncBatchNorm on the fused kernels (what `bn=sync` trains with)."""
+    def module(self, devices: int = 1) -> torch.nn.Module:
+        """syncbn_lab's SyncBatchNorm on the fused kernels (what `bn=sync` trains with); with
+        devices > 1, SyncBN over that many emulated devices (parallel=emulated)."""
         from syncbn_lab.nn import SyncBatchNorm
 
-        return SyncBatchNorm(self.weight.numel(), impl="fused").to(self.weight.device)
+        module = SyncBatchNorm(self.weight.numel(), impl="fused").to(self.weight.device)
+        module.devices = devices
+        return module
 
     def torch(self, x: torch.Tensor) -> torch.Tensor:
         return self.torch_bn(x)
@@ -216,6 +221,7 @@ def gpu_runs(shape, dtype, layout: str) -> dict[str, Callable[[], None]]:
         "fused": fwd_bwd(layer.fused, x, dy),
         "module": fwd_bwd(layer.module(), x, dy),
         "module_noguard": fwd_bwd(without_precision_guard(layer.module()), x, dy),
+        "module_emulated8": fwd_bwd(layer.module(devices=8), x, dy),
         "cudnn_bn_relu": fwd_bwd(layer.torch_relu, x, dy),
         "fused_relu": fwd_bwd(lambda t: layer.fused(t, relu=True), x, dy),
     }

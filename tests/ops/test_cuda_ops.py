@@ -256,9 +256,12 @@ def test_cuda_update_running_stats_equals_cpu_bitwise(dtype, factor):
     assert not ops.update_running_stats(None, None, *(t.cuda() for t in stats), 0.5, 10, 0.0)
 
 
-def test_cuda_module_fused_equals_reference():
-    """The module's eager path on the GPU (batch_norm_train + update_running_stats), and its
-    fallback to the reference when the guard trips, against the reference module."""
+@pytest.mark.parametrize("devices", [1, 4], ids=["one_device", "emulated_4"])
+def test_cuda_module_fused_equals_reference(devices):
+    """The module's eager path on the GPU against the reference module: one device
+    (batch_norm_train + update_running_stats) and SyncBN over 4 emulated devices (the
+    primitives around the reference's reduction); the guard tripped (mean 1e4, std 0.1:
+    the reference runs) and not."""
     from syncbn_lab.nn import SyncBatchNorm
 
     g = torch.Generator().manual_seed(6)
@@ -268,6 +271,7 @@ def test_cuda_module_fused_equals_reference():
         outs = []
         for impl in ("fused", "reference"):
             bn = SyncBatchNorm(5, impl=impl).cuda()
+            bn.devices = devices
             xi = x.clone().requires_grad_()
             for _ in range(2):
                 bn(xi).backward(dy)
