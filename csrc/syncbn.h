@@ -128,16 +128,19 @@ inline at::Tensor optional_param(const std::optional<at::Tensor>& p, const at::T
   return stat_as(*p, x, acc);
 }
 
-// Argument checks of update_running_stats (contract in syncbn.cpp), shared by its kernels.
-inline void check_update_running_stats(const std::optional<at::Tensor>& running_mean,
-                                       const std::optional<at::Tensor>& running_var,
-                                       const at::Tensor& mean, const at::Tensor& var,
-                                       const at::Tensor& invstd) {
+// Argument checks of update_running_stats (contract in syncbn.cpp), shared by its kernels;
+// returns mean, var and invstd as contiguous tensors in the statistics' acc dtype, on mean's
+// device.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> update_running_stats_inputs(
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
+    const at::Tensor& mean, const at::Tensor& var, const at::Tensor& invstd) {
   TORCH_CHECK(mean.dim() == 2 && var.sizes() == mean.sizes() && invstd.sizes() == mean.sizes(),
               "syncbn_lab::update_running_stats: mean, var and invstd must be (G, C), got ",
               mean.sizes(), ", ", var.sizes(), " and ", invstd.sizes());
   TORCH_CHECK(running_mean.has_value() == running_var.has_value(),
               "syncbn_lab::update_running_stats: give both running statistics or neither");
+  const auto acc = acc_dtype(mean.scalar_type());
+  return {stat_as(mean, mean, acc), stat_as(var, mean, acc), stat_as(invstd, mean, acc)};
 }
 
 // The running statistics an update_running_stats kernel is about to move: (C,), contiguous,

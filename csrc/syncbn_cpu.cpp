@@ -1186,11 +1186,10 @@ Tensor update_running_stats_cpu(const std::optional<Tensor>& running_mean,
                                 const std::optional<Tensor>& running_var, const Tensor& mean_in,
                                 const Tensor& var_in, const Tensor& invstd_in, double factor,
                                 int64_t count, double mean_limit) {
-  check_update_running_stats(running_mean, running_var, mean_in, var_in, invstd_in);
-  const auto acc = mean_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const Tensor mean = mean_in.to(acc).contiguous();
-  const Tensor var = var_in.to(acc).contiguous();
-  const Tensor invstd = invstd_in.to(acc).contiguous();
+  Tensor mean, var, invstd;  // named (not bound) so that the kernels' lambdas capture them
+  std::tie(mean, var, invstd) =
+      update_running_stats_inputs(running_mean, running_var, mean_in, var_in, invstd_in);
+  const auto acc = mean.scalar_type();
   const int64_t C = mean.size(1);
   bool coarse = false;
   AT_DISPATCH_FLOATING_TYPES(acc, "update_running_stats_cpu", [&] {

@@ -1068,12 +1068,11 @@ Tensor update_running_stats_cuda(const std::optional<Tensor>& running_mean,
                                  const std::optional<Tensor>& running_var, const Tensor& mean_in,
                                  const Tensor& var_in, const Tensor& invstd_in, double factor,
                                  int64_t count, double mean_limit) {
-  check_update_running_stats(running_mean, running_var, mean_in, var_in, invstd_in);
   const c10::cuda::CUDAGuard guard(mean_in.device());
-  const auto acc = mean_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const Tensor mean = stat_as(mean_in, mean_in, acc);
-  const Tensor var = stat_as(var_in, mean_in, acc);
-  const Tensor invstd = stat_as(invstd_in, mean_in, acc);
+  Tensor mean, var, invstd;  // named (not bound) so that the kernels' lambdas capture them
+  std::tie(mean, var, invstd) =
+      update_running_stats_inputs(running_mean, running_var, mean_in, var_in, invstd_in);
+  const auto acc = mean.scalar_type();
   const int64_t C = mean.size(1);
   const bool track = running_mean.has_value() && mean.numel() > 0;
   // Checked before the launch: the CPU kernel checks them only when the guard passes.
