@@ -20,13 +20,20 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "syncbn.h"
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
     !defined(SYNCBN_LAB_NO_CLONES)
@@ -362,6 +369,110 @@ std::tuple<Tensor, Tensor, Tensor> merge_stats_cpu(const Tensor& count_in, const
 }
 
 // ---------------------------------------------------------------------------------------
+// Streaming stores for outputs bigger than the caches
+// ---------------------------------------------------------------------------------------
+// An ordinary store to a line that is not in the cache first reads the line (the write
+// allocates it), so an elementwise pass that writes an output far bigger than the caches
+// reads every byte of the output before it overwrites it: y = f(x) moves 3 bytes for each
+// byte of y, dx = f(dy, x) 4. Streaming (non-temporal) stores write whole lines without
+// reading them. They also leave the output out of the cache, which costs a consumer that
+// reads it at once when it would have stayed cached; so only outputs of at least
+// kStreamMinBytes stream. Measured on the CPU of csrc/README.md (one thread; numbers there).
+// The environment variable SYNCBN_LAB_STREAM_MIN_BYTES overrides the threshold at every call
+// (0: stream every output, which the tests use; a value above any size: never stream).
+constexpr int64_t kStreamMinBytes = 8 << 20;
+constexpr int64_t kScratchBytes = 16 << 10;  // output bytes per streamed piece (in L1)
+constexpr int64_t kLineBytes = 64;
+
+#if defined(__SSE2__)
+constexpr bool kHaveStreamingStores = true;
+#else
+constexpr bool kHaveStreamingStores = false;
+#endif
+
+int64_t stream_min_bytes() {
+  const char* env = std::getenv("SYNCBN_LAB_STREAM_MIN_BYTES");
+  if (env == nullptr || *env == '\0') return kStreamMinBytes;
+  char* end = nullptr;
+  errno = 0;
+  const long long value = std::strtoll(env, &end, 10);
+  TORCH_CHECK(*end == '\0' && errno == 0 && value >= 0,
+              "syncbn_lab: SYNCBN_LAB_STREAM_MIN_BYTES must be a whole number of bytes >= 0, "
+              "got '", env, "'; unset it for the default of ", kStreamMinBytes);
+  return value;
+}
+
+// Whether an elementwise op writes `out` with streaming stores.
+bool streams(const Tensor& out) {
+  return kHaveStreamingStores && static_cast<int64_t>(out.nbytes()) >= stream_min_bytes();
+}
+
+// dst[0, bytes) = src[0, bytes): the whole lines of dst with streaming stores, the partial
+// lines at either end with ordinary ones (a partial line written by streaming stores goes to
+// memory as a slow partial write).
+void stream_copy(void* dst, const void* src, int64_t bytes) {
+#if defined(__SSE2__)
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  const int64_t misaligned = static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(d) % kLineBytes);
+  const int64_t head = std::min(bytes, misaligned == 0 ? 0 : kLineBytes - misaligned);
+  std::memcpy(d, s, head);
+  d += head;
+  s += head;
+  bytes -= head;
+  for (; bytes >= kLineBytes; bytes -= kLineBytes, d += kLineBytes, s += kLineBytes) {
+    for (int64_t k = 0; k < kLineBytes; k += 16) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + k),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k)));
+    }
+  }
+  std::memcpy(d, s, bytes);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+// Streaming stores are weakly ordered: make them visible before the task ends.
+inline void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+// Runs an elementwise kernel whose output is `rows` rows of W values spaced `ld` apart at
+// dst. kernel(r0, nr, c0, nc, out, ldo) computes rows [r0, r0 + nr), columns [c0, c0 + nc)
+// and writes them at out, rows spaced ldo apart. Without `stream` it writes dst directly, in
+// one call; with it, pieces of up to kScratchBytes go to a buffer in L1 and from there to dst
+// with streaming stores.
+template <typename T, typename F>
+void write_rows(T* dst, int64_t rows, int64_t W, int64_t ld, bool stream, const F& kernel) {
+  if (!stream) {
+    kernel(0, rows, 0, W, dst, ld);
+    return;
+  }
+  alignas(kLineBytes) unsigned char scratch[kScratchBytes];
+  T* buf = reinterpret_cast<T*>(scratch);
+  constexpr int64_t capacity = kScratchBytes / static_cast<int64_t>(sizeof(T));
+  const int64_t cols = std::min(W, capacity);
+  const int64_t piece_rows = std::max<int64_t>(1, capacity / std::max<int64_t>(W, 1));
+  for (int64_t r0 = 0; r0 < rows; r0 += piece_rows) {
+    const int64_t nr = std::min(piece_rows, rows - r0);
+    for (int64_t c0 = 0; c0 < W; c0 += cols) {
+      const int64_t nc = std::min(cols, W - c0);
+      kernel(r0, nr, c0, nc, buf, nc);
+      if (nc == ld) {  // whole rows, back to back: one run
+        stream_copy(dst + r0 * ld, buf, nr * nc * static_cast<int64_t>(sizeof(T)));
+        continue;
+      }
+      for (int64_t r = 0; r < nr; ++r) {
+        stream_copy(dst + (r0 + r) * ld + c0, buf + r * nc, nc * static_cast<int64_t>(sizeof(T)));
+      }
+    }
+  }
+  stream_fence();
+}
+
+// ---------------------------------------------------------------------------------------
 // Elementwise forward: y = (x - mean) * scale + shift, scale = weight * invstd, shift = bias
 // ---------------------------------------------------------------------------------------
 
@@ -409,13 +520,13 @@ inline A relu_of(A v) {
 // The elementwise kernels loop over many rows per call: a row can be as short as C values,
 // and a call through target_clones' resolver costs about as much as a short row.
 
-// `planes` runs of S values spaced `ld` apart, one set of coefficients.
+// `planes` runs of S values spaced `ld` apart (`ldy` in y), one set of coefficients.
 template <typename T, typename A, bool RELU>
 SYNCBN_CLONES void affine_planes(const T* __restrict__ x, T* __restrict__ y, int64_t planes,
-                                 int64_t S, int64_t ld, A mean, A scale, A shift) {
+                                 int64_t S, int64_t ld, int64_t ldy, A mean, A scale, A shift) {
   for (int64_t p = 0; p < planes; ++p) {
     const T* __restrict__ xr = x + p * ld;
-    T* __restrict__ yr = y + p * ld;
+    T* __restrict__ yr = y + p * ldy;
     for (int64_t s = 0; s < S; ++s) {
       const A v = (static_cast<A>(xr[s]) - mean) * scale + shift;
       yr[s] = static_cast<T>(RELU ? relu_of(v) : v);
@@ -423,14 +534,14 @@ SYNCBN_CLONES void affine_planes(const T* __restrict__ x, T* __restrict__ y, int
   }
 }
 
-// `rows` rows of W values spaced `ld` apart, coefficients per column.
+// `rows` rows of W values spaced `ld` apart (`ldy` in y), coefficients per column.
 template <typename T, typename A, bool RELU>
 SYNCBN_CLONES void affine_rows(const T* __restrict__ x, T* __restrict__ y, int64_t rows,
-                               int64_t W, int64_t ld, const A* __restrict__ mean,
+                               int64_t W, int64_t ld, int64_t ldy, const A* __restrict__ mean,
                                const A* __restrict__ scale, const A* __restrict__ shift) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* __restrict__ xr = x + r * ld;
-    T* __restrict__ yr = y + r * ld;
+    T* __restrict__ yr = y + r * ldy;
     for (int64_t w = 0; w < W; ++w) {
       const A v = (static_cast<A>(xr[w]) - mean[w]) * scale[w] + shift[w];
       yr[w] = static_cast<T>(RELU ? relu_of(v) : v);
@@ -505,12 +616,16 @@ void forward_loops(const Prepared& p, const Coefficients<A>& k, Tensor& y) {
   scalar_t* yp = y.mutable_data_ptr<scalar_t>();
   const Geometry& g = p.g;
   const int64_t C = g.C, S = g.S;
+  const bool stream = streams(y);
   if (use_planes(g, p.layout)) {
     at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t c = i % C, off = plane_offset(g, i);
-        affine_planes<scalar_t, A, RELU>(xp + off, yp + off, g.n, S, C * S, k.mean[i],
-                                         k.scale[i], k.shift[c]);
+        const int64_t c = i % C, off = plane_offset(g, i), ld = C * S;
+        write_rows(yp + off, g.n, S, ld, stream,
+                   [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, scalar_t* to, int64_t ldo) {
+                     affine_planes<scalar_t, A, RELU>(xp + off + r0 * ld + c0, to, nr, nc, ld,
+                                                      ldo, k.mean[i], k.scale[i], k.shift[c]);
+                   });
       }
     });
     return;
@@ -534,8 +649,13 @@ void forward_loops(const Prepared& p, const Coefficients<A>& k, Tensor& y) {
   const int64_t grain = std::max<int64_t>(1, kElemGrain / std::max<int64_t>(W, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     const auto piece = [&](int64_t d, int64_t r, int64_t count) {
-      affine_rows<scalar_t, A, RELU>(xp + r * W, yp + r * W, count, W, W, mean.data() + d * W,
-                                     scale.data() + d * W, shift.data());
+      write_rows(yp + r * W, count, W, W, stream,
+                 [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, scalar_t* to, int64_t ldo) {
+                   const int64_t w = d * W + c0;
+                   affine_rows<scalar_t, A, RELU>(xp + (r + r0) * W + c0, to, nr, nc, W, ldo,
+                                                  mean.data() + w, scale.data() + w,
+                                                  shift.data() + c0);
+                 });
     };
     for_slice_pieces(begin, end, plan.rows_per_slice, W * p.x.element_size(), piece);
   });
@@ -727,12 +847,12 @@ std::pair<A, A> dx_coefficients(const Coefficients<A>& k, int64_t i, A sum_dy, A
 
 template <typename T, typename A, bool RELU>
 SYNCBN_CLONES void dx_planes(const T* __restrict__ dy, const T* __restrict__ x,
-                             T* __restrict__ dx, int64_t planes, int64_t S, int64_t ld, A mean,
-                             A scale, A shift, A kx, A k0) {
+                             T* __restrict__ dx, int64_t planes, int64_t S, int64_t ld,
+                             int64_t ldo, A mean, A scale, A shift, A kx, A k0) {
   for (int64_t p = 0; p < planes; ++p) {
     const T* __restrict__ xr = x + p * ld;
     const T* __restrict__ gr = dy + p * ld;
-    T* __restrict__ outr = dx + p * ld;
+    T* __restrict__ outr = dx + p * ldo;
     for (int64_t s = 0; s < S; ++s) {
       const A xm = static_cast<A>(xr[s]) - mean;
       A g = static_cast<A>(gr[s]);
@@ -744,13 +864,14 @@ SYNCBN_CLONES void dx_planes(const T* __restrict__ dy, const T* __restrict__ x,
 
 template <typename T, typename A, bool RELU>
 SYNCBN_CLONES void dx_rows(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
-                           int64_t rows, int64_t W, int64_t ld, const A* __restrict__ mean,
-                           const A* __restrict__ scale, const A* __restrict__ shift,
-                           const A* __restrict__ kx, const A* __restrict__ k0) {
+                           int64_t rows, int64_t W, int64_t ld, int64_t ldo,
+                           const A* __restrict__ mean, const A* __restrict__ scale,
+                           const A* __restrict__ shift, const A* __restrict__ kx,
+                           const A* __restrict__ k0) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* __restrict__ xr = x + r * ld;
     const T* __restrict__ gr = dy + r * ld;
-    T* __restrict__ outr = dx + r * ld;
+    T* __restrict__ outr = dx + r * ldo;
     for (int64_t w = 0; w < W; ++w) {
       const A xm = static_cast<A>(xr[w]) - mean[w];
       A g = static_cast<A>(gr[w]);
@@ -768,12 +889,17 @@ void backward_elemt_loops(const Prepared& p, const Tensor& dy, const Coefficient
   scalar_t* op = dx.mutable_data_ptr<scalar_t>();
   const Geometry& g = p.g;
   const int64_t C = g.C, S = g.S;
+  const bool stream = streams(dx);
   if (use_planes(g, p.layout)) {
     at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t c = i % C, off = plane_offset(g, i);
-        dx_planes<scalar_t, A, RELU>(gp + off, xp + off, op + off, g.n, S, C * S, k.mean[i],
-                                     k.scale[i], k.shift[c], kx[i], k0[i]);
+        const int64_t c = i % C, off = plane_offset(g, i), ld = C * S;
+        write_rows(op + off, g.n, S, ld, stream,
+                   [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, scalar_t* to, int64_t ldo) {
+                     const int64_t o = off + r0 * ld + c0;
+                     dx_planes<scalar_t, A, RELU>(gp + o, xp + o, to, nr, nc, ld, ldo, k.mean[i],
+                                                  k.scale[i], k.shift[c], kx[i], k0[i]);
+                   });
       }
     });
     return;
@@ -796,9 +922,13 @@ void backward_elemt_loops(const Prepared& p, const Tensor& dy, const Coefficient
   const int64_t grain = std::max<int64_t>(1, kElemGrain / std::max<int64_t>(W, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     const auto piece = [&](int64_t d, int64_t r, int64_t count) {
-      dx_rows<scalar_t, A, RELU>(gp + r * W, xp + r * W, op + r * W, count, W, W,
-                                 mean.data() + d * W, scale.data() + d * W, shift.data(),
-                                 ekx.data() + d * W, ek0.data() + d * W);
+      write_rows(op + r * W, count, W, W, stream,
+                 [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, scalar_t* to, int64_t ldo) {
+                   const int64_t o = (r + r0) * W + c0, w = d * W + c0;
+                   dx_rows<scalar_t, A, RELU>(gp + o, xp + o, to, nr, nc, W, ldo, mean.data() + w,
+                                              scale.data() + w, shift.data() + c0,
+                                              ekx.data() + w, ek0.data() + w);
+                 });
     };
     for_slice_pieces(begin, end, plan.rows_per_slice, 2 * W * p.x.element_size(), piece);
   });
@@ -958,6 +1088,7 @@ void fused_forward_rows(const Tensor& x, const Tensor& weight, const Tensor& bia
   const int64_t C = g.C, W = plan.W, per = W / C, rows = plan.rows_per_slice;
   const int64_t blocks = (W + width - 1) / width;
   const ForwardStats<A> out(weight, bias, mean, var, invstd, rows * per, eps);
+  const bool stream = streams(y);
   at::parallel_for(0, g.slices * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> pivots(width), cmean(width), cm2(width), scale(width), shift(width);
     for (int64_t task = begin; task < end; ++task) {
@@ -978,8 +1109,12 @@ void fused_forward_rows(const Tensor& x, const Tensor& weight, const Tensor& bia
         std::fill_n(cmean.begin() + w, per, mu);
         std::fill_n(shift.begin() + w, per, out.shift_of(c));
       }
-      affine_rows<scalar_t, A, RELU>(xp + off, yp + off, rows, B, W, cmean.data(), scale.data(),
-                                     shift.data());
+      write_rows(yp + off, rows, B, W, stream,
+                 [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, scalar_t* to, int64_t ldo) {
+                   affine_rows<scalar_t, A, RELU>(xp + off + r0 * W + c0, to, nr, nc, W, ldo,
+                                                  cmean.data() + c0, scale.data() + c0,
+                                                  shift.data() + c0);
+                 });
     }
   });
 }
@@ -994,6 +1129,7 @@ void fused_backward_rows(const Prepared& p, const Tensor& dy, const Coefficients
   const int64_t C = p.g.C, W = plan.W, per = W / C, rows = plan.rows_per_slice;
   const int64_t blocks = (W + width - 1) / width;
   const A inv_m = A(1) / A(rows * per);
+  const bool stream = input_grad && streams(dx);
   // A channel's sum over its per columns (1 for channels_last, S for NCHW column blocks).
   const auto channel_sum = [per](const A* v) { return per == 1 ? v[0] : lane_sum(v, per); };
   at::parallel_for(0, p.g.slices * blocks, 1, [&](int64_t begin, int64_t end) {
@@ -1024,8 +1160,13 @@ void fused_backward_rows(const Prepared& p, const Tensor& dy, const Coefficients
       if (!input_grad) continue;
       const A* kx = sdyx.data();
       const A* k0 = sdy.data();
-      dx_rows<scalar_t, A, RELU>(gp + off, xp + off, op + off, rows, B, W, mean.data(),
-                                 scale.data(), shift.data(), kx, k0);
+      write_rows(op + off, rows, B, W, stream,
+                 [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, scalar_t* to, int64_t ldo) {
+                   const int64_t o = off + r0 * W + c0;
+                   dx_rows<scalar_t, A, RELU>(gp + o, xp + o, to, nr, nc, W, ldo, mean.data() + c0,
+                                              scale.data() + c0, shift.data() + c0, kx + c0,
+                                              k0 + c0);
+                 });
     }
   });
 }
@@ -1038,15 +1179,21 @@ void fused_forward_planes(const Tensor& x, const Tensor& weight, const Tensor& b
   scalar_t* yp = y.mutable_data_ptr<scalar_t>();
   const int64_t C = g.C, S = g.S, n = g.n;
   const ForwardStats<A> out(weight, bias, mean, var, invstd, n * S, eps);
+  const bool stream = streams(y);
   at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
     const int64_t block = std::min(S, kColumnBlock);
     std::vector<A> cmean(block), cm2(block);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t c = i % C, off = plane_offset(g, i);
-      const auto [mu, m2] = plane_stats(xp + off, n, S, C * S, cmean, cm2);
+      A mu, m2;  // not a structured binding: the lambda below captures mu (C++17)
+      std::tie(mu, m2) = plane_stats(xp + off, n, S, C * S, cmean, cm2);
       const A scale = out.finish(i, c, mu, m2);
-      affine_planes<scalar_t, A, RELU>(xp + off, yp + off, n, S, C * S, mu, scale,
-                                       out.shift_of(c));
+      const A shift = out.shift_of(c);
+      write_rows(yp + off, n, S, C * S, stream,
+                 [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, scalar_t* to, int64_t ldo) {
+                   affine_planes<scalar_t, A, RELU>(xp + off + r0 * C * S + c0, to, nr, nc, C * S,
+                                                    ldo, mu, scale, shift);
+                 });
     }
   });
 }
@@ -1116,6 +1263,7 @@ void fused_backward_planes(const Prepared& p, const Tensor& dy, const Coefficien
   const Geometry& g = p.g;
   const int64_t C = g.C, S = g.S, n = g.n;
   const A inv_m = A(1) / A(n * S);
+  const bool stream = input_grad && streams(dx);
   at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
     const int64_t block = std::min(S, kColumnBlock);
     std::vector<A> sdy(block), sdyx(block);
@@ -1124,9 +1272,14 @@ void fused_backward_planes(const Prepared& p, const Tensor& dy, const Coefficien
       std::tie(sum_dy[i], sum_dy_xhat[i]) =
           plane_grad_sums<RELU>(gp + off, xp + off, n, S, C * S, k, i, c, sdy, sdyx);
       if (!input_grad) continue;
-      const auto [kx, k0] = dx_coefficients(k, i, sum_dy[i], sum_dy_xhat[i], inv_m);
-      dx_planes<scalar_t, A, RELU>(gp + off, xp + off, op + off, n, S, C * S, k.mean[i],
-                                   k.scale[i], k.shift[c], kx, k0);
+      A kx, k0;  // not a structured binding: the lambda below captures them (C++17)
+      std::tie(kx, k0) = dx_coefficients(k, i, sum_dy[i], sum_dy_xhat[i], inv_m);
+      write_rows(op + off, n, S, C * S, stream,
+                 [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, scalar_t* to, int64_t ldo) {
+                   const int64_t o = off + r0 * C * S + c0;
+                   dx_planes<scalar_t, A, RELU>(gp + o, xp + o, to, nr, nc, C * S, ldo, k.mean[i],
+                                                k.scale[i], k.shift[c], kx, k0);
+                 });
     }
   });
 }

@@ -171,6 +171,59 @@ def test_half_types_accumulate_in_fp32(shape, layout, dtype):
     assert_matches(fused, ref, TOL[dtype])
 
 
+# (shape, layout, devices, group_size): every place an elementwise op writes its output.
+STREAM_CASES = {
+    "planes": ((20, 3, 32, 32), "contiguous", 2, 2),  # planes in pieces of 4 (fp32)
+    "rows_slices": ((6, 3, 2, 3), "channels_last", 3, 1),
+    "rows_two_pass": ((40, 8, 32, 32), "channels_last", 1, 1),
+    "long_planes": ((2, 3, 70, 70), "contiguous", 1, 1),  # S = 4900: planes in pieces
+    "wide_rows": ((4, 20000), "contiguous", 1, 1),  # blocks of >= 5000 columns
+    "wide_rows_two_pass": ((64, 5000), "contiguous", 1, 1),
+    "odd_rows": ((257, 7, 3), "channels_last", 1, 1),  # 28-byte rows: partial lines
+}
+
+
+def run_fused_and_primitives(x, weight, bias, dy, devices, group_size, relu):
+    """run_fused, plus y and dx of the two-pass primitives (forward_elemt, backward_elemt)."""
+    out = run_fused(x, weight, bias, dy, devices, group_size, relu=relu)
+    mean, invstd = out["mean"], out["invstd"]
+    out["y_elemt"] = ops.forward_elemt(x, mean, invstd, weight, bias, relu)
+    sum_dy, sum_dy_xhat = ops.backward_reduce(dy, x, mean, invstd, weight, bias, relu)
+    count = torch.tensor(float(x.numel() // x.shape[1] // mean.shape[0]))
+    out["dx_elemt"] = ops.backward_elemt(
+        dy, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count, relu
+    )
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("relu", [False, True], ids=["bn", "bn_relu"])
+@pytest.mark.parametrize("case", list(STREAM_CASES.values()), ids=list(STREAM_CASES))
+def test_streaming_stores_write_the_same_bits(monkeypatch, case, relu, dtype):
+    """Outputs of at least SYNCBN_LAB_STREAM_MIN_BYTES go through an L1 buffer to memory with
+    streaming stores (csrc/syncbn_cpu.cpp). With the threshold at 0 every output here streams;
+    y, dx and everything else must equal, bit for bit, what the direct stores write, in the
+    single-pass ops and in the two-pass primitives."""
+    shape, layout, devices, group_size = case
+    x, w, b, dy = make_inputs(shape, dtype, layout, seed=5)
+    results = {}
+    for threshold in ("0", str(2**62)):
+        monkeypatch.setenv("SYNCBN_LAB_STREAM_MIN_BYTES", threshold)
+        results[threshold] = run_fused_and_primitives(x, w, b, dy, devices, group_size, relu)
+    streamed, direct = results.values()
+    for name, value in direct.items():
+        assert torch.equal(streamed[name], value), name
+    for name in ("y", "dx", "y_elemt", "dx_elemt"):
+        assert streamed[name].stride() == x.stride(), name
+
+
+def test_streaming_threshold_is_checked(monkeypatch):
+    x, w, b, _ = make_inputs((8, 3, 6, 6))
+    monkeypatch.setenv("SYNCBN_LAB_STREAM_MIN_BYTES", "8MB")
+    with pytest.raises(RuntimeError, match="SYNCBN_LAB_STREAM_MIN_BYTES must be a whole number"):
+        ops.batch_norm_train(x, w, b)
+
+
 def test_float64_and_no_affine():
     x, _, _, dy = make_inputs((6, 3, 5, 7), torch.float64, affine=False)
     fused = run_fused(x, None, None, dy, devices=3)
