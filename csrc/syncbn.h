@@ -102,6 +102,18 @@ inline void check_floating(const at::Tensor& x, const char* op) {
               t);
 }
 
+// The argument checks of the batch_norm_train kernels; returns the geometry of x cut into
+// its devices / group_size statistic groups.
+inline Geometry batch_norm_train_geometry(const at::Tensor& x, int64_t devices,
+                                          int64_t group_size) {
+  TORCH_CHECK(group_size >= 1 && devices % group_size == 0,
+              "syncbn_lab::batch_norm_train: group_size must divide devices, got group_size=",
+              group_size, " and devices=", devices);
+  check_floating(x, "batch_norm_train");
+  geometry_of(x, devices, "batch_norm_train");  // the batch splits into `devices` slices
+  return geometry_of(x, devices / group_size, "batch_norm_train");
+}
+
 // Per-slice statistics (mean, invstd, sums) arrive as (G, C) or (C,) (one shared row);
 // returns G and checks that it divides the batch.
 inline int64_t slices_of_stats(const at::Tensor& x, const at::Tensor& stat, const char* what,

@@ -1201,12 +1201,7 @@ void fused_forward_planes(const Tensor& x, const Tensor& weight, const Tensor& b
 std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train_cpu(
     const Tensor& x_in, const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
     int64_t devices, int64_t group_size, double eps, bool relu) {
-  TORCH_CHECK(group_size >= 1 && devices % group_size == 0,
-              "syncbn_lab::batch_norm_train: group_size must divide devices, got group_size=",
-              group_size, " and devices=", devices);
-  check_floating(x_in, "batch_norm_train");
-  geometry_of(x_in, devices, "batch_norm_train");  // the batch splits into `devices` slices
-  const Geometry g = geometry_of(x_in, devices / group_size, "batch_norm_train");
+  const Geometry g = batch_norm_train_geometry(x_in, devices, group_size);
   const Layout layout = layout_of(x_in);
   const auto [planes, plan, width] = single_pass(g, layout, x_in.element_size(), 1);
   if ((!planes && width == 0) || x_in.numel() == 0) {

@@ -1020,16 +1020,11 @@ Tensor backward_elemt_cuda(const Tensor& dy_in, const Tensor& x_in, const Tensor
 std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train_cuda(
     const Tensor& x_in, const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
     int64_t devices, int64_t group_size, double eps, bool relu) {
-  TORCH_CHECK(group_size >= 1 && devices % group_size == 0,
-              "syncbn_lab::batch_norm_train: group_size must divide devices, got group_size=",
-              group_size, " and devices=", devices);
-  check_floating(x_in, "batch_norm_train");
-  geometry_of(x_in, devices, "batch_norm_train");  // the batch splits into `devices` slices
+  const Geometry g = batch_norm_train_geometry(x_in, devices, group_size);
   if (x_in.numel() == 0) {
     return batch_norm_train_composite(x_in, weight, bias, devices, group_size, eps, relu);
   }
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const Geometry g = geometry_of(x_in, devices / group_size, "batch_norm_train");
   const auto opts = x_in.options().dtype(acc_dtype(x_in.scalar_type()));
   Tensor mean = at::empty({g.slices, g.C}, opts);
   Tensor var = at::empty_like(mean);
