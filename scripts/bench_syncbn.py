@@ -33,7 +33,6 @@ float32 values backward.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -55,7 +54,6 @@ PER_DEVICE = "reference_per_device"  # same math without synchronisation: isolat
 FUSED = "fused"
 FUSED_PER_DEVICE = "fused_per_device"
 FUSED_DIRECT = "fused_direct_stores"  # the fused kernels without streaming stores
-STREAM_ENV = "SYNCBN_LAB_STREAM_MIN_BYTES"  # read by the kernels at every call
 MAX_STEPS = 200  # per sample of a local row
 
 
@@ -71,23 +69,6 @@ def _layer(impl: str, channels: int) -> torch.nn.Module:
 def _fused_impls(*impls: str) -> tuple[str, ...]:
     """The fused rows when the extension is built, none otherwise."""
     return impls if ops.available(warn=False) else ()
-
-
-@contextlib.contextmanager
-def _stores(impl: str):
-    """Streaming stores off while the FUSED_DIRECT row runs, as the kernels see them."""
-    if impl != FUSED_DIRECT:
-        yield
-        return
-    before = os.environ.get(STREAM_ENV)
-    os.environ[STREAM_ENV] = str(2**62)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[STREAM_ENV]
-        else:
-            os.environ[STREAM_ENV] = before
 
 
 def _inputs(shape, layout):
@@ -137,7 +118,7 @@ def local_records(iters: int, repeats: int, sample_ms: float) -> list[dict]:
             steps = max(iters, min(MAX_STEPS, math.ceil(sample_ms / warm_ms)))
             for _ in range(repeats):
                 for impl, layer in layers.items():
-                    with _stores(impl):
+                    with ops.streaming_stores(impl != FUSED_DIRECT):
                         best[impl] = min(best[impl], _time_ms(layer, x, grad, steps))
             records += [_record(impl, shape, layout, 1, ms) for impl, ms in best.items()]
     return records

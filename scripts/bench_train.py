@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -77,14 +76,12 @@ def hand_written_images_per_s(steps: int, overrides: list[str]) -> float:
     return steps * batch / (time.perf_counter() - start)
 
 
-STREAM_ENV = "SYNCBN_LAB_STREAM_MIN_BYTES"  # read by the kernels at every call
-
-
 def streaming_store_steps(batch: int, layout: str, rounds: int, steps: int = 4) -> dict:
     """Step times (ms) of resnet20 with SyncBatchNorm(impl="fused"), streaming stores on
-    (the default threshold) and off, alternating rounds of ``steps`` steps."""
+    (the threshold in effect: 8 MiB unless SYNCBN_LAB_STREAM_MIN_BYTES says otherwise) and
+    off, alternating rounds of ``steps`` steps."""
     from syncbn_lab.models.resnet import CifarResNet
-    from syncbn_lab.nn import SyncBatchNorm
+    from syncbn_lab.nn import SyncBatchNorm, ops
 
     torch.manual_seed(0)
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
@@ -101,20 +98,13 @@ def streaming_store_steps(batch: int, layout: str, rounds: int, steps: int = 4) 
     for _ in range(2):
         step()
     times: dict[str, list[float]] = {"on": [], "off": []}
-    before = os.environ.pop(STREAM_ENV, None)
-    try:
-        for _ in range(rounds):
-            for mode in times:
-                if mode == "off":
-                    os.environ[STREAM_ENV] = str(2**62)
+    for _ in range(rounds):
+        for mode in times:
+            with ops.streaming_stores(mode == "on"):
                 start = time.perf_counter()
                 for _ in range(steps):
                     step()
-                times[mode].append((time.perf_counter() - start) / steps * 1e3)
-                os.environ.pop(STREAM_ENV, None)
-    finally:
-        if before is not None:
-            os.environ[STREAM_ENV] = before
+            times[mode].append((time.perf_counter() - start) / steps * 1e3)
     row = {"batch": batch, "layout": layout}
     for mode, ms in times.items():
         row[f"best_ms_{mode}"] = round(min(ms), 2)

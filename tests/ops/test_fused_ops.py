@@ -222,6 +222,13 @@ def test_streaming_threshold_is_checked(monkeypatch):
     monkeypatch.setenv("SYNCBN_LAB_STREAM_MIN_BYTES", "8MB")
     with pytest.raises(RuntimeError, match="SYNCBN_LAB_STREAM_MIN_BYTES must be a whole number"):
         ops.batch_norm_train(x, w, b)
+    # ops.streaming_stores(False) overrides the variable inside its block, then restores it.
+    with ops.streaming_stores(False):
+        ops.batch_norm_train(x, w, b)
+    with ops.streaming_stores(True), pytest.raises(RuntimeError, match="whole number"):
+        ops.batch_norm_train(x, w, b)
+    with pytest.raises(RuntimeError, match="whole number"):
+        ops.batch_norm_train(x, w, b)
 
 
 def test_float64_and_no_affine():

@@ -48,7 +48,9 @@ whether it is (and warns once when not), so callers can fall back to the referen
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -207,6 +209,28 @@ def update_running_stats(
         running_mean, running_var, mean, var, invstd, factor, count, mean_limit
     )
     return mean_limit > 0 and bool(too_coarse.item())
+
+
+STREAM_MIN_BYTES_ENV = "SYNCBN_LAB_STREAM_MIN_BYTES"  # read by the CPU kernels at every call
+
+
+@contextlib.contextmanager
+def streaming_stores(enabled: bool = True) -> Iterator[None]:
+    """Within the block the CPU kernels' streaming stores (outputs of 8 MiB and more, or what
+    ``SYNCBN_LAB_STREAM_MIN_BYTES`` sets) stay as they are (``enabled``) or are off, for
+    side-by-side measurements of what they save; the variable is restored afterwards."""
+    if enabled:
+        yield
+        return
+    before = os.environ.get(STREAM_MIN_BYTES_ENV)
+    os.environ[STREAM_MIN_BYTES_ENV] = str(2**62)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[STREAM_MIN_BYTES_ENV]
+        else:
+            os.environ[STREAM_MIN_BYTES_ENV] = before
 
 
 def fused_batch_norm_train(
