@@ -3,8 +3,8 @@
 // Every launch goes on the current stream (c10::cuda::getCurrentCUDAStream(), the function
 // at::cuda::getCurrentCUDAStream names). Reductions run in two stages:
 //   1. a grid of blocks, each reducing a chunk of one (slice, channel-block) with per-thread
-//      Welford (or plain sums), merged with warp shuffles and then across the block's warps
-//      through shared memory, writes partials (slices, chunks, W);
+//      Welford over groups of values (or plain sums), merged with warp shuffles and then
+//      across the block's warps through shared memory, writes partials (slices, chunks, W);
 //   2. a small kernel merges the chunks (Chan's count-weighted formula, or sums).
 // Loop shapes, as on the CPU (see syncbn.h for the layouts):
 //   planes: ChannelsFirst with S >= kPlaneMin; grid (chunks, C, slices), a 2-D block walks
@@ -42,6 +42,11 @@ constexpr int kThreads = 256;  // threads per block, a multiple of the warp size
 constexpr int kWarp = 32;
 constexpr int kWarps = kThreads / kWarp;
 constexpr int64_t kPlaneMin = 32;
+// Rows a thread of the rows reductions loads at once: at most 16 values. With its
+// __launch_bounds__ the rows kernel then fits 64 registers, so the 4 blocks of 256 threads
+// per SM that reduce_plan sizes the grid for are resident at once (for 8-value vectors of
+// the 16-bit types at the cost of a few bytes of spills; 4 such rows took 80 registers).
+constexpr int row_group(int vec) { return vec >= 8 ? 2 : 4; }
 constexpr unsigned kFullMask = 0xffffffffu;
 
 template <typename A>
@@ -66,12 +71,22 @@ __device__ __forceinline__ WelfordData<A> shfl_xor(const WelfordData<A>& v, int 
           __shfl_xor_sync(kFullMask, v.m2, offset)};
 }
 
-template <typename A>
-__device__ __forceinline__ void welford_push(WelfordData<A>& w, A v) {
-  w.n += A(1);
-  const A delta = v - w.mean;
-  w.mean += delta / w.n;
-  w.m2 += delta * (v - w.mean);
+// The count, mean and M2 of G values in registers, in two passes over them (G is a power of
+// two, so the scaling by 1 / G is exact). The stats kernels merge such groups into their
+// running Welford state with combine(): one division per G values, where a Welford update
+// per value divides once per value, a chain of dependent divisions that left those kernels
+// compute-bound rather than bound by memory (the CPU kernels do the same per band of rows).
+template <int G, typename A>
+__device__ __forceinline__ WelfordData<A> group_stats(const A (&v)[G]) {
+  static_assert((G & (G - 1)) == 0, "G must be a power of two");
+  A sum = 0;
+#pragma unroll
+  for (int k = 0; k < G; ++k) sum += v[k];
+  const A mean = sum * (A(1) / A(G));
+  A m2 = 0;
+#pragma unroll
+  for (int k = 0; k < G; ++k) m2 += (v[k] - mean) * (v[k] - mean);
+  return {A(G), mean, m2};
 }
 
 __device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
@@ -151,8 +166,10 @@ __global__ void stats_planes_kernel(const T* __restrict__ x, int64_t n, int64_t 
         reinterpret_cast<const Vec<T, VEC>*>(x + ((d * n + i) * C + c) * S);
     for (int64_t s = threadIdx.x; s < S / VEC; s += blockDim.x) {
       const Vec<T, VEC> in = plane[s];
+      A v[VEC];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) welford_push(w, static_cast<A>(in.v[k]) - pivot);
+      for (int k = 0; k < VEC; ++k) v[k] = static_cast<A>(in.v[k]) - pivot;
+      w = combine(w, group_stats(v));
     }
   }
   w = block_welford(w, shared);
@@ -203,7 +220,7 @@ __device__ A column_sum(A v, A* shared) {
 // the VEC columns wv * VEC + k of its rows (W % VEC == 0, rows aligned); column w belongs
 // to channel w / per.
 template <typename T, typename A, int VEC>
-__global__ void stats_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t W, int64_t C,
+__global__ void __launch_bounds__(kThreads, 4) stats_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t W, int64_t C,
                                   A* __restrict__ pn, A* __restrict__ pmean,
                                   A* __restrict__ pm2) {
   __shared__ WelfordData<A> shared[kThreads];
@@ -221,10 +238,30 @@ __global__ void stats_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t
       pivot[k] = static_cast<A>(x[d * rows * W + ((wv * VEC + k) / per) * per]);
     }
     const auto* __restrict__ base = reinterpret_cast<const Vec<T, VEC>*>(x + d * rows * W) + wv;
-    for (int64_t r = p * blockDim.y + threadIdx.y; r < rows; r += chunks * blockDim.y) {
+    // R of this thread's rows at a time: their loads are in flight together, and each
+    // column merges them as one group.
+    constexpr int R = row_group(VEC);
+    const int64_t step = chunks * blockDim.y;
+    int64_t r = p * blockDim.y + threadIdx.y;
+    for (; r + (R - 1) * step < rows; r += R * step) {
+      Vec<T, VEC> in[R];
+#pragma unroll
+      for (int u = 0; u < R; ++u) in[u] = base[(r + u * step) * WV];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        A v[R];
+#pragma unroll
+        for (int u = 0; u < R; ++u) v[u] = static_cast<A>(in[u].v[k]) - pivot[k];
+        acc[k] = combine(acc[k], group_stats(v));
+      }
+    }
+    for (; r < rows; r += step) {
       const Vec<T, VEC> in = base[r * WV];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) welford_push(acc[k], static_cast<A>(in.v[k]) - pivot[k]);
+      for (int k = 0; k < VEC; ++k) {
+        const A v[1] = {static_cast<A>(in.v[k]) - pivot[k]};
+        acc[k] = combine(acc[k], group_stats(v));
+      }
     }
   }
 #pragma unroll

@@ -80,7 +80,9 @@ TOL = {torch.float32: 2e-5, torch.float64: 1e-12, torch.float16: 2e-2, torch.bfl
 
 # Every launch shape: rows (2-D, channels_last, NCHW with S < 32), planes (S >= 32), one and
 # several chunks per channel (the emulation has 2 SMs: 8 blocks wanted), 5-D input; 16-byte
-# loads (planes and rows whose length is a multiple of 4 floats) and single values (odd).
+# loads (planes and rows whose length is a multiple of 4 floats) and single values (odd);
+# rows reductions whose threads take groups of row_group() rows and then single rows (more
+# than 4 rows per thread: the emulation's grid covers at most 1024 rows at a time).
 SHAPES = {
     "2d_chunks": (512, 3),
     "3d_plane": (4, 6, 33),
@@ -89,6 +91,8 @@ SHAPES = {
     "vec_rows_chunks": (128, 8, 2, 2),
     "4d": (8, 4, 6, 6),
     "5d": (2, 4, 2, 3, 4),
+    "grouped_rows": (72, 8, 8, 8),
+    "grouped_short_rows": (4608, 2, 2, 2),
 }
 
 
@@ -162,10 +166,11 @@ def test_merges_take_several_rounds_of_lane_groups(emu, monkeypatch):
     assert_same(emu.merge_stats(*ranks), CPU.merge_stats(*ranks), 2e-5)
 
 
+@pytest.mark.parametrize("shape", [(8, 8, 6, 6), SHAPES["grouped_rows"]], ids=["4d", "grouped"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-def test_other_dtypes_match_the_cpu_kernels(emu, dtype, layout):
-    x, dy, w, b = inputs((8, 8, 6, 6), dtype, layout, seed=1)  # C = 8: half vectors too
+def test_other_dtypes_match_the_cpu_kernels(emu, dtype, layout, shape):
+    x, dy, w, b = inputs(shape, dtype, layout, seed=1)  # C = 8: half vectors too
     train = (x, w, b, 2, 1, 1e-5, True)
     out = CPU.batch_norm_train(*train)
     assert_same(emu.batch_norm_train(*train), out, TOL[dtype])

@@ -26,6 +26,7 @@ inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 #define __shared__ static
 #define C10_CUDA_CHECK(x) (void)(x)
 #define C10_CUDA_KERNEL_LAUNCH_CHECK() ((void)0)
