@@ -220,9 +220,9 @@ __device__ A column_sum(A v, A* shared) {
 // the VEC columns wv * VEC + k of its rows (W % VEC == 0, rows aligned); column w belongs
 // to channel w / per.
 template <typename T, typename A, int VEC>
-__global__ void __launch_bounds__(kThreads, 4) stats_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t W, int64_t C,
-                                  A* __restrict__ pn, A* __restrict__ pmean,
-                                  A* __restrict__ pm2) {
+__global__ void __launch_bounds__(kThreads, 4)
+    stats_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t W, int64_t C,
+                      A* __restrict__ pn, A* __restrict__ pmean, A* __restrict__ pm2) {
   __shared__ WelfordData<A> shared[kThreads];
   const int64_t wv = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t p = blockIdx.y, d = blockIdx.z, chunks = gridDim.y;
