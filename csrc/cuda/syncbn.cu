@@ -42,11 +42,6 @@ constexpr int kThreads = 256;  // threads per block, a multiple of the warp size
 constexpr int kWarp = 32;
 constexpr int kWarps = kThreads / kWarp;
 constexpr int64_t kPlaneMin = 32;
-// Rows a thread of the rows reductions loads at once: at most 16 values. With its
-// __launch_bounds__ the rows kernel then fits 64 registers, so the 4 blocks of 256 threads
-// per SM that reduce_plan sizes the grid for are resident at once (for 8-value vectors of
-// the 16-bit types at the cost of a few bytes of spills; 4 such rows took 80 registers).
-constexpr int row_group(int vec) { return vec >= 8 ? 2 : 4; }
 constexpr unsigned kFullMask = 0xffffffffu;
 
 template <typename A>
@@ -149,7 +144,25 @@ struct alignas(sizeof(T) * VEC) Vec {
 //
 // The reductions are bound by the bytes each thread has in flight (one 4-byte load per
 // thread kept them at 26-37 % of the H200's copy bandwidth), so every thread loads VEC
-// consecutive values at once (16 bytes) wherever the row length and alignment allow.
+// consecutive values at once (16 bytes) wherever the row length and alignment allow, and
+// several planes or rows at once (in_groups).
+
+// Planes or rows a thread of the reductions loads at once: at most 16 values. The rows
+// statistics kernel's __launch_bounds__ then holds it to 64 registers, so the 4 blocks of
+// 256 threads per SM that reduce_plan sizes the grid for are resident at once (for 8-value
+// vectors of the 16-bit types at the cost of a few bytes of spills; 4 such rows took 80
+// registers).
+constexpr int load_group(int vec) { return vec >= 8 ? 2 : 4; }
+
+// Calls f(std::integral_constant<int, R>{}, i) on this thread's items i = first, first +
+// step, ... below n: R items at a time while R remain (f loads them all before it uses
+// any, so R loads are in flight per thread, not one), then one at a time.
+template <int R, typename F>
+__device__ __forceinline__ void in_groups(int64_t first, int64_t step, int64_t n, F&& f) {
+  int64_t i = first;
+  for (; i + (R - 1) * step < n; i += R * step) f(std::integral_constant<int, R>{}, i);
+  for (; i < n; i += step) f(std::integral_constant<int, 1>{}, i);
+}
 
 // grid (chunks, C, slices); partials (slices, chunks, C). S % VEC == 0, planes aligned.
 template <typename T, typename A, int VEC>
@@ -161,17 +174,28 @@ __global__ void stats_planes_kernel(const T* __restrict__ x, int64_t n, int64_t 
   const int64_t chunks = gridDim.x;
   const A pivot = static_cast<A>(x[(d * n * C + c) * S]);  // first value of (d, c)
   WelfordData<A> w{A(0), A(0), A(0)};
-  for (int64_t i = p * blockDim.y + threadIdx.y; i < n; i += chunks * blockDim.y) {
-    const auto* __restrict__ plane =
-        reinterpret_cast<const Vec<T, VEC>*>(x + ((d * n + i) * C + c) * S);
-    for (int64_t s = threadIdx.x; s < S / VEC; s += blockDim.x) {
-      const Vec<T, VEC> in = plane[s];
-      A v[VEC];
+  const int64_t step = chunks * blockDim.y;
+  // R planes at a time; their values at one position make one Welford group.
+  in_groups<load_group(VEC)>(p * blockDim.y + threadIdx.y, step, n, [&](auto r_c, int64_t i) {
+    constexpr int R = decltype(r_c)::value;
+    const Vec<T, VEC>* plane[R];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) v[k] = static_cast<A>(in.v[k]) - pivot;
+    for (int u = 0; u < R; ++u) {
+      plane[u] = reinterpret_cast<const Vec<T, VEC>*>(x + ((d * n + i + u * step) * C + c) * S);
+    }
+    for (int64_t s = threadIdx.x; s < S / VEC; s += blockDim.x) {
+      Vec<T, VEC> in[R];
+#pragma unroll
+      for (int u = 0; u < R; ++u) in[u] = plane[u][s];
+      A v[R * VEC];
+#pragma unroll
+      for (int u = 0; u < R; ++u) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) v[u * VEC + k] = static_cast<A>(in[u].v[k]) - pivot;
+      }
       w = combine(w, group_stats(v));
     }
-  }
+  });
   w = block_welford(w, shared);
   if (linear_tid() == 0) {
     const int64_t j = (d * chunks + p) * C + c;
@@ -238,12 +262,10 @@ __global__ void __launch_bounds__(kThreads, 4)
       pivot[k] = static_cast<A>(x[d * rows * W + ((wv * VEC + k) / per) * per]);
     }
     const auto* __restrict__ base = reinterpret_cast<const Vec<T, VEC>*>(x + d * rows * W) + wv;
-    // R of this thread's rows at a time: their loads are in flight together, and each
-    // column merges them as one group.
-    constexpr int R = row_group(VEC);
+    // R rows at a time; each column merges its R values as one group.
     const int64_t step = chunks * blockDim.y;
-    int64_t r = p * blockDim.y + threadIdx.y;
-    for (; r + (R - 1) * step < rows; r += R * step) {
+    in_groups<load_group(VEC)>(p * blockDim.y + threadIdx.y, step, rows, [&](auto r_c, int64_t r) {
+      constexpr int R = decltype(r_c)::value;
       Vec<T, VEC> in[R];
 #pragma unroll
       for (int u = 0; u < R; ++u) in[u] = base[(r + u * step) * WV];
@@ -254,15 +276,7 @@ __global__ void __launch_bounds__(kThreads, 4)
         for (int u = 0; u < R; ++u) v[u] = static_cast<A>(in[u].v[k]) - pivot[k];
         acc[k] = combine(acc[k], group_stats(v));
       }
-    }
-    for (; r < rows; r += step) {
-      const Vec<T, VEC> in = base[r * WV];
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const A v[1] = {static_cast<A>(in.v[k]) - pivot[k]};
-        acc[k] = combine(acc[k], group_stats(v));
-      }
-    }
+    });
   }
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {
@@ -729,19 +743,34 @@ __global__ void grad_sums_planes_kernel(const T* __restrict__ dy, const T* __res
   const int64_t gc = d * C + c;
   const A mu = prm.mean[gc], scale = prm.scale(gc, c), shift = prm.shift(c);
   A sdy = 0, sdyx = 0;
-  for (int64_t i = p * blockDim.y + threadIdx.y; i < n; i += chunks * blockDim.y) {
-    const int64_t off = ((d * n + i) * C + c) * S;
-    const auto* __restrict__ xs = reinterpret_cast<const Vec<T, VEC>*>(x + off);
-    const auto* __restrict__ gs = reinterpret_cast<const Vec<T, VEC>*>(dy + off);
-    for (int64_t s = threadIdx.x; s < S / VEC; s += blockDim.x) {
-      const Vec<T, VEC> xin = xs[s], gin = gs[s];
+  const int64_t step = chunks * blockDim.y;
+  in_groups<load_group(VEC)>(p * blockDim.y + threadIdx.y, step, n, [&](auto r_c, int64_t i) {
+    constexpr int R = decltype(r_c)::value;
+    const Vec<T, VEC>* xs[R];
+    const Vec<T, VEC>* gs[R];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        grad_push<A, RELU>(sdy, sdyx, static_cast<A>(xin.v[k]), static_cast<A>(gin.v[k]), mu,
-                           scale, shift);
+    for (int u = 0; u < R; ++u) {
+      const int64_t off = ((d * n + i + u * step) * C + c) * S;
+      xs[u] = reinterpret_cast<const Vec<T, VEC>*>(x + off);
+      gs[u] = reinterpret_cast<const Vec<T, VEC>*>(dy + off);
+    }
+    for (int64_t s = threadIdx.x; s < S / VEC; s += blockDim.x) {
+      Vec<T, VEC> xin[R], gin[R];
+#pragma unroll
+      for (int u = 0; u < R; ++u) {
+        xin[u] = xs[u][s];
+        gin[u] = gs[u][s];
+      }
+#pragma unroll
+      for (int u = 0; u < R; ++u) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          grad_push<A, RELU>(sdy, sdyx, static_cast<A>(xin[u].v[k]), static_cast<A>(gin[u].v[k]),
+                             mu, scale, shift);
+        }
       }
     }
-  }
+  });
   sdy = block_sum(sdy, shared);
   sdyx = block_sum(sdyx, shared);
   if (linear_tid() == 0) {

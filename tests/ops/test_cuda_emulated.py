@@ -81,8 +81,8 @@ TOL = {torch.float32: 2e-5, torch.float64: 1e-12, torch.float16: 2e-2, torch.bfl
 # Every launch shape: rows (2-D, channels_last, NCHW with S < 32), planes (S >= 32), one and
 # several chunks per channel (the emulation has 2 SMs: 8 blocks wanted), 5-D input; 16-byte
 # loads (planes and rows whose length is a multiple of 4 floats) and single values (odd);
-# rows reductions whose threads take groups of row_group() rows and then single rows (more
-# than 4 rows per thread: the emulation's grid covers at most 1024 rows at a time).
+# reductions whose threads take groups of load_group() rows or planes, then single ones
+# (more than 4 per thread: the emulation's grid covers at most 1024 rows at a time).
 SHAPES = {
     "2d_chunks": (512, 3),
     "3d_plane": (4, 6, 33),
@@ -93,6 +93,7 @@ SHAPES = {
     "5d": (2, 4, 2, 3, 4),
     "grouped_rows": (72, 8, 8, 8),
     "grouped_short_rows": (4608, 2, 2, 2),
+    "grouped_planes": (40, 3, 33),
 }
 
 
