@@ -75,9 +75,9 @@ class Layer:
         devices > 1, SyncBN over that many emulated devices (parallel=emulated)."""
         from syncbn_lab.nn import SyncBatchNorm
 
-        module = SyncBatchNorm(self.weight.numel(), impl="fused").to(self.weight.device)
-        module.devices = devices
-        return module
+        return SyncBatchNorm(self.weight.numel(), impl="fused", devices=devices).to(
+            self.weight.device
+        )
 
     def torch(self, x: torch.Tensor) -> torch.Tensor:
         return self.torch_bn(x)

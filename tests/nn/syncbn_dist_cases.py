@@ -274,9 +274,7 @@ def _cases(world_size: int) -> dict[str, Callable[[int], object]]:
 
         def emulated_devices(group_size):
             def make():
-                layer = SyncBatchNorm(CHANNELS, group_size=group_size)
-                layer.devices = 2
-                return layer
+                return SyncBatchNorm(CHANNELS, group_size=group_size, devices=2)
 
             return make
 

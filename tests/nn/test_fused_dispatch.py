@@ -60,10 +60,9 @@ def calls(monkeypatch) -> collections.Counter:
 
 def make_layer(kind: str, impl: str, devices: int = 1, group_size=None, **kwargs):
     if kind == "bn":
-        layer = BatchNorm(C, impl=impl, **kwargs)
+        layer = BatchNorm(C, impl=impl, devices=devices, **kwargs)
     else:
-        layer = SyncBatchNorm(C, impl=impl, group_size=group_size, **kwargs)
-    layer.devices = devices
+        layer = SyncBatchNorm(C, impl=impl, group_size=group_size, devices=devices, **kwargs)
     g = torch.Generator().manual_seed(7)
     if layer.weight is not None:
         with torch.no_grad():

@@ -22,7 +22,7 @@ def _model() -> nn.Module:
         nn.Unflatten(3, (1, 2)),
         nn.BatchNorm3d(4, affine=False),
         nn.Flatten(2),
-        BatchNorm(4, track_running_stats=False, impl="reference"),
+        BatchNorm(4, track_running_stats=False, impl="reference", devices=2),
     )
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -36,7 +36,6 @@ def _model() -> nn.Module:
                 m.num_batches_tracked.fill_(5)
     model[1].weight.requires_grad_(False)
     model[2][1].eval()
-    model[7].devices = 2
     return model
 
 

@@ -35,14 +35,18 @@ def norm_layer(cfg: DictConfig, emulated_devices: int = 1) -> NormFactory:
             return lambda c: nn.BatchNorm2d(c, eps=eps, momentum=momentum)
         from syncbn_lab.nn.sync_batchnorm import BatchNorm
 
-        return lambda c: _with_devices(BatchNorm(c, eps=eps, momentum=momentum), emulated_devices)
+        return lambda c: BatchNorm(c, eps=eps, momentum=momentum, devices=emulated_devices)
     if name == "sync":
         from syncbn_lab.nn.sync_batchnorm import SyncBatchNorm
 
         group_size, impl = cfg.get("group_size"), cfg.get("impl", "auto")
-        return lambda c: _with_devices(
-            SyncBatchNorm(c, eps=eps, momentum=momentum, group_size=group_size, impl=impl),
-            emulated_devices,
+        return lambda c: SyncBatchNorm(
+            c,
+            eps=eps,
+            momentum=momentum,
+            group_size=group_size,
+            impl=impl,
+            devices=emulated_devices,
         )
     if name == "torch_sync":
         return lambda c: nn.SyncBatchNorm(c, eps=eps, momentum=momentum)
@@ -56,8 +60,3 @@ def norm_layer(cfg: DictConfig, emulated_devices: int = 1) -> NormFactory:
 
         return group_norm
     raise ValueError(f"unknown bn '{name}'; choose one of: {', '.join(NAMES)}")
-
-
-def _with_devices(module: nn.Module, devices: int) -> nn.Module:
-    module.devices = devices
-    return module

@@ -42,7 +42,8 @@ class BatchNorm(_BatchNorm):
 
     ``impl``: "auto" (default: the fused kernels when syncbn_lab._C is built and takes the
     input, else the reference), "fused" (raises when the extension is missing) or "reference".
-    Eval mode always runs the reference.
+    Eval mode always runs the reference. ``devices``: how many devices' slices one forward
+    call holds (the single-process emulation passes ``parallel.devices``; 1 otherwise).
     """
 
     devices: int
@@ -60,6 +61,7 @@ class BatchNorm(_BatchNorm):
         *,
         bias: bool = True,
         impl: str = "auto",
+        devices: int = 1,
     ) -> None:
         # Older torch releases (2.11 among them) take no `bias` argument: affine BN has one.
         kwargs = {"bias": bias} if TORCH_BN_TAKES_BIAS else {}
@@ -68,7 +70,11 @@ class BatchNorm(_BatchNorm):
         )
         if affine and not bias and not TORCH_BN_TAKES_BIAS:
             self.register_parameter("bias", None)
-        self.devices = 1
+        if not isinstance(devices, int) or devices < 1:
+            raise ValueError(
+                f"{type(self).__name__} devices must be a positive integer, got {devices}"
+            )
+        self.devices = devices
         self.impl = _check_impl(impl)
 
     def reset_parameters(self) -> None:
@@ -183,6 +189,7 @@ class SyncBatchNorm(BatchNorm):
         group_size: int | None = None,
         impl: str = "auto",
         bias: bool = True,
+        devices: int = 1,
     ) -> None:
         super().__init__(
             num_features,
@@ -194,6 +201,7 @@ class SyncBatchNorm(BatchNorm):
             dtype,
             bias=bias,
             impl=impl,
+            devices=devices,
         )
         if process_group is not None and group_size is not None:
             raise ValueError("give SyncBatchNorm either process_group or group_size, not both")
