@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from syncbn_lab.nn.registry import norm_layer
 from syncbn_lab.parallel import launch, parallelize
 from syncbn_lab.parallel.context import Runtime
 from syncbn_lab.parallel.sampling import eval_loader, seed_everything, train_loader
+from syncbn_lab.provenance import git_commit
 
 RUN_FILES = ("metrics.jsonl", "summary.json")
 
@@ -131,18 +131,3 @@ def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         return summary
     finally:
         logger.finish(exit_code)
-
-
-def git_commit() -> str | None:
-    """The commit of this source tree, or None outside a git checkout."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None

@@ -1,0 +1,83 @@
+"""Where a figure comes from: the commit, the machine and the software it was measured with.
+
+Every benchmark's JSON output carries ``provenance()`` as its ``meta``, so a committed figure
+names what produced it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_SOURCE = Path(__file__).resolve().parent
+
+
+def git_commit() -> str | None:
+    """The commit of this source tree, or None outside a git checkout."""
+    return _git("rev-parse", "HEAD")
+
+
+def git_dirty() -> bool | None:
+    """Whether tracked files differ from the commit (None outside a git checkout)."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status)
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=_SOURCE, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance() -> dict[str, Any]:
+    """The commit, machine and software of this process, for a benchmark's JSON ``meta``."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    meta: dict[str, Any] = {
+        "git_commit": git_commit(),
+        "git_dirty": git_dirty(),
+        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "machine": {
+            "cpu": cpu_model(),
+            "cores": cores,
+            "memory_gib": _memory_gib(),
+            "os": platform.platform(),
+        },
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        meta["machine"]["gpu"] = torch.cuda.get_device_name(0)
+    return meta
+
+
+def _memory_gib() -> float | None:
+    try:
+        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return round(pages * page_size / 2**30, 1)

@@ -1,0 +1,37 @@
+"""provenance(): the commit and machine a benchmark's JSON names must be this checkout's."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from syncbn_lab.provenance import git_commit, provenance
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def test_commit_and_dirty_flag_are_this_checkouts():
+    head = _git("rev-parse", "HEAD")
+    meta = provenance()
+    assert meta["git_commit"] == git_commit() == head and len(head) == 40
+    assert meta["git_dirty"] == bool(_git("status", "--porcelain", "--untracked-files=no"))
+
+
+def test_machine_and_software_are_recorded():
+    meta = provenance()
+    assert meta["machine"]["cores"] == len(os.sched_getaffinity(0))
+    assert meta["machine"]["cpu"] and meta["machine"]["memory_gib"] > 0
+    assert meta["torch"] == torch.__version__
+    assert meta["torch_threads"] == torch.get_num_threads()
+
+
+def test_outside_a_checkout_the_commit_is_none(monkeypatch, tmp_path):
+    import syncbn_lab.provenance as p
+
+    monkeypatch.setattr(p, "_SOURCE", tmp_path)
+    assert p.git_commit() is None and p.git_dirty() is None
