@@ -11,6 +11,7 @@ BatchNorm over the union of the ranks' batches.
 from __future__ import annotations
 
 import collections
+import logging
 import subprocess
 import sys
 import warnings
@@ -329,17 +330,25 @@ def _auto_step(layer):
 
 
 @needs_ext
-def test_auto_takes_the_fused_kernels_and_says_so_once(calls, fresh_announcements):
-    messages = _auto_step(SyncBatchNorm(C))
-    assert messages == ["bn impl auto -> fused kernels (syncbn_lab._C)"]
+def test_auto_takes_the_fused_kernels_and_says_so_once_in_the_log(
+    calls, fresh_announcements, caplog
+):
+    """Nothing is wrong: an info line of the run log, no warning."""
+    caplog.set_level(logging.INFO, logger=F.__name__)
+    assert _auto_step(SyncBatchNorm(C)) == []
     assert calls["batch_norm_train"] == 2 and "reference" not in calls
-    assert _auto_step(BatchNorm(C)) == []  # once per process, not per layer
+    assert _auto_step(BatchNorm(C)) == []
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert lines == [(logging.INFO, "bn impl auto -> fused kernels (syncbn_lab._C)")]  # once
 
 
 @needs_ext
-def test_auto_says_which_in_one_line_on_stderr():
+def test_auto_says_which_as_one_log_line_and_no_warning():
+    """In a process whose logging shows INFO (a Hydra run's log does), stderr holds the one
+    line of the choice and no warning."""
     script = (
-        "import torch\n"
+        "import logging, torch\n"
+        "logging.basicConfig(level=logging.INFO, format='%(name)s %(levelname)s %(message)s')\n"
         "from syncbn_lab.nn import SyncBatchNorm\n"
         "layer = SyncBatchNorm(3)\n"
         "layer(torch.randn(4, 3, 2, 2)).sum().backward()\n"
@@ -350,7 +359,7 @@ def test_auto_says_which_in_one_line_on_stderr():
     )
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines() == [
-        "syncbn_lab:0: UserWarning: bn impl auto -> fused kernels (syncbn_lab._C)"
+        "syncbn_lab.nn.functional INFO bn impl auto -> fused kernels (syncbn_lab._C)"
     ]
 
 
@@ -358,7 +367,7 @@ def test_auto_falls_back_to_the_reference_and_says_why_once(
     monkeypatch, calls, fresh_announcements
 ):
     _pretend_not_built(monkeypatch)
-    messages = _auto_step(SyncBatchNorm(C))
+    messages = _auto_step(SyncBatchNorm(C))  # a build without kernels: a real warning
     assert messages == ["bn impl auto -> reference (extension not built: ImportError: pretend)"]
     assert calls == {"reference": 2}
 
@@ -369,7 +378,30 @@ def test_auto_refuses_inputs_the_kernels_do_not_take():
     assert "meta tensors" in F.fused_unavailable_reason(torch.empty(2, C, device="meta"))
 
 
-def test_cuda_kernels_asked_once_at_import_still_agree_with_the_dispatcher():
+@needs_ext
+def test_cuda_kernels_asked_once_at_import_follow_the_dispatcher():
+    """ops.has_cuda_kernels() is the dispatcher's answer at import: in a fresh process where a
+    CUDA kernel of local_stats is registered before syncbn_lab.nn.ops is imported (a stand-in
+    where the build has none), it is True, and False where it is not (CPU builds)."""
+    script = (
+        "import sys, torch, syncbn_lab._C\n"
+        "register = sys.argv[1] == '1'\n"
+        "has = torch._C._dispatch_has_kernel_for_dispatch_key\n"
+        "if register and not has('syncbn_lab::local_stats', 'CUDA'):\n"
+        "    lib = torch.library.Library('syncbn_lab', 'IMPL')\n"
+        "    lib.impl('local_stats', lambda x, devices: None, 'CUDA')\n"
+        "from syncbn_lab.nn import ops\n"
+        "print(ops.has_cuda_kernels(), has('syncbn_lab::local_stats', 'CUDA'))\n"
+    )
+    for register in ("1", "0"):
+        result = subprocess.run(
+            [sys.executable, "-c", script, register], capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, result.stderr
+        cached, dispatcher = result.stdout.split()
+        assert cached == dispatcher, (register, result.stdout)
+        if register == "1":
+            assert cached == "True"
     assert ops.has_cuda_kernels() == _ext.has_cuda_kernels()
 
 

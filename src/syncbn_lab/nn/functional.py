@@ -26,8 +26,10 @@ invstd = 1/sqrt(var + eps), xhat = (x - mu) * invstd, y = gamma * xhat + beta.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -37,7 +39,9 @@ from syncbn_lab.errors import warn_one_line
 from syncbn_lab.nn import _ext, ops
 from syncbn_lab.nn.comm import Communicator
 
-__all__ = ["IMPLS", "batch_norm", "fused_unavailable_reason"]
+__all__ = ["IMPLS", "BatchNormCall", "batch_norm", "fused_unavailable_reason"]
+
+_log = logging.getLogger(__name__)
 
 IMPLS = ("auto", "reference", "fused")
 """Accepted values of ``impl``: "reference" = the formulas below in torch ops; "fused" = the
@@ -52,6 +56,28 @@ _FUSED_MEAN_LIMIT = 16.0
 passes in float32, rounded by up to |mean| * 2**-24, which moves xhat by |mean| * invstd *
 2**-24: at most 2**-20 below this limit. Above it (mean 1e4 and std 0.1: 1e5) the call runs
 the reference, whose pivoted sums keep xhat exact."""
+
+
+@dataclass(frozen=True)
+class BatchNormCall:
+    """One checked call of :func:`batch_norm`: what every implementation takes.
+
+    ``group_size`` is resolved (1 for per-device BN and for eval, D by default for SyncBN), so
+    an implementation reads ``call.training`` or ``call.group_size`` by name.
+    """
+
+    x: Tensor
+    weight: Tensor | None
+    bias: Tensor | None
+    running_mean: Tensor | None
+    running_var: Tensor | None
+    num_batches_tracked: Tensor | None
+    training: bool
+    momentum: float | None
+    eps: float
+    devices: int
+    group_size: int
+    comm: Communicator | None
 
 
 def batch_norm(
@@ -105,27 +131,28 @@ def batch_norm(
         comm=comm,
         group_size=group_size,
     )
-    return _backend(impl)(
-        x,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        num_batches_tracked,
-        training,
-        momentum,
-        eps,
-        devices,
-        groups_of,
-        comm,
+    call = BatchNormCall(
+        x=x,
+        weight=weight,
+        bias=bias,
+        running_mean=running_mean,
+        running_var=running_var,
+        num_batches_tracked=num_batches_tracked,
+        training=training,
+        momentum=momentum,
+        eps=eps,
+        devices=devices,
+        group_size=groups_of,
+        comm=comm,
     )
+    return _backend(impl)(call)
 
 
-def _backend(impl: str) -> Callable[..., Tensor]:
+def _backend(impl: str) -> Callable[[BatchNormCall], Tensor]:
     """The single dispatch point from ``impl`` to an implementation of :func:`batch_norm`.
 
-    Every implementation takes the positional arguments of :func:`_reference_batch_norm`.
-    "fused" and "auto" decide per call: eval (running statistics) always runs the reference.
+    Every implementation takes a :class:`BatchNormCall`. "fused" and "auto" decide per call:
+    eval (running statistics) always runs the reference.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown BatchNorm impl {impl!r}; choose one of {', '.join(IMPLS)}")
@@ -160,40 +187,32 @@ def check_fused_available() -> None:
 _announced: set[str] = set()
 
 
-def _announce(choice: str) -> None:
-    """One warning line per distinct choice of impl="auto" (normally exactly one per process)."""
-    if choice in _announced or torch.compiler.is_compiling():  # Dynamo cannot trace warn
+def _announce(choice: str, warn: bool = False) -> None:
+    """Says once per process and distinct choice what impl="auto" runs: an info line of the
+    run log, or a warning (``warn``) when the kernels are missing from this build."""
+    if choice in _announced or torch.compiler.is_compiling():  # Dynamo cannot trace either
         return
     _announced.add(choice)
-    warn_one_line(f"bn impl auto -> {choice}")
+    if warn:
+        warn_one_line(f"bn impl auto -> {choice}")
+    else:
+        _log.info("bn impl auto -> %s", choice)
 
 
-def _auto_batch_norm(x: Tensor, *args) -> Tensor:
-    training = args[5]
-    if not training:
-        return _reference_batch_norm(x, *args)
-    reason = fused_unavailable_reason(x)
+def _auto_batch_norm(call: BatchNormCall) -> Tensor:
+    if not call.training:
+        return _reference_batch_norm(call)
+    reason = fused_unavailable_reason(call.x)
     if reason is None:
         _announce("fused kernels (syncbn_lab._C)")
-        return _fused_batch_norm(x, *args)
-    _announce(f"reference ({reason})")
-    return _reference_batch_norm(x, *args)
+        return _fused_batch_norm(call)
+    # A build without (these) kernels is worth a warning; an input they never take is not.
+    missing = not ops.available(warn=False) or call.x.device.type == "cuda"
+    _announce(f"reference ({reason})", warn=missing)
+    return _reference_batch_norm(call)
 
 
-def _fused_batch_norm(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    num_batches_tracked: Tensor | None,
-    training: bool,
-    momentum: float | None,
-    eps: float,
-    devices: int,
-    group_size: int,
-    comm: Communicator | None,
-) -> Tensor:
+def _fused_batch_norm(call: BatchNormCall) -> Tensor:
     """Training BN/SyncBN on the fused kernels; eval (running statistics) runs the reference.
 
     Without a reduction across slices or ranks (per-device BN, or SyncBN over one slice in one
@@ -201,41 +220,26 @@ def _fused_batch_norm(
     torch.compile sees whole. Otherwise the kernels compute each slice's statistics and the
     elementwise passes, and the reduction in between is the reference's own.
     """
-    args = (x, weight, bias, running_mean, running_var, num_batches_tracked, training)
-    args += (momentum, eps, devices, group_size, comm)
-    if not training:
-        return _reference_batch_norm(*args)
+    if not call.training:
+        return _reference_batch_norm(call)
     check_fused_available()
+    x, devices, group_size = call.x, call.devices, call.group_size
     reason = fused_unavailable_reason(x)
     if reason is not None:
         raise RuntimeError(
             f"BatchNorm impl='fused' cannot run here ({reason}); use impl='auto' or 'reference'"
         )
-    if group_size == 1 and (comm is None or comm.world_size == 1):
-        return _fused_single_op(*args)
+    if group_size == 1 and (call.comm is None or call.comm.world_size == 1):
+        return _fused_single_op(call)
     _, mean, m2 = ops.local_stats(x.detach(), devices)  # per slice, float32 (fp64 for fp64)
     if x.dtype != torch.float64 and not torch.compiler.is_compiling():
         # This process's part of each group: its slices' mean |mu_d| and mean variance.
         groups, n = devices // group_size, _SliceShape(x, devices).n
         mean_abs = mean.abs().view(groups, group_size, -1).mean(1)
         var = m2.view(groups, group_size, -1).sum(1) / max(n * group_size, 1)
-        if _fused_mean_too_coarse(mean_abs, torch.rsqrt(var + eps), x.dtype):
-            return _reference_batch_norm(*args)  # same collectives: ranks may choose apart
-    return _FusedBatchNormFunction.apply(
-        x,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        num_batches_tracked,
-        momentum,
-        eps,
-        devices,
-        group_size,
-        comm,
-        mean,
-        m2,
-    )
+        if _fused_mean_too_coarse(mean_abs, torch.rsqrt(var + call.eps), x.dtype):
+            return _reference_batch_norm(call)  # same collectives: ranks may choose apart
+    return _FusedBatchNormFunction.apply(x, call.weight, call.bias, call, mean, m2)
 
 
 def _fused_mean_too_coarse(mean: Tensor, invstd: Tensor, dtype: torch.dtype) -> bool:
@@ -254,73 +258,37 @@ def _fused_mean_too_coarse(mean: Tensor, invstd: Tensor, dtype: torch.dtype) -> 
     return (mean * invstd).abs_().max().item() > _FUSED_MEAN_LIMIT
 
 
-def _fused_single_op(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    num_batches_tracked: Tensor | None,
-    training: bool,
-    momentum: float | None,
-    eps: float,
-    devices: int,
-    group_size: int,
-    comm: Communicator | None,
-) -> Tensor:
+def _fused_single_op(call: BatchNormCall) -> Tensor:
     """Every slice normalised with its own statistics by one op, no communication."""
+    x, devices, momentum = call.x, call.devices, call.momentum
+    running_mean, running_var = call.running_mean, call.running_var
     m = _SliceShape(x, devices).n  # values per slice, each its own group
-    _check_count(m, x, devices, comm)
-    out = ops.batch_norm_train(x, weight, bias, devices, 1, eps, False)
+    _check_count(m, x, devices, call.comm)
+    out = ops.batch_norm_train(x, call.weight, call.bias, devices, 1, call.eps, False)
     track = running_mean is not None and m > 0  # slice 0's statistics, as device 0's buffers
     if torch.compiler.is_compiling():
         # Traced without the guard of _fused_mean_too_coarse (a data-dependent branch would
         # break the graph), and with a tensor factor for momentum=None for the same reason.
         if track:
-            factor = momentum if momentum is not None else 1.0 / num_batches_tracked
+            factor = momentum if momentum is not None else 1.0 / call.num_batches_tracked
             with torch.no_grad():
                 _update_running_stats(running_mean, running_var, out.mean[0], out.var[0], m, factor)
         return out.y
     # Eager: the guard and the running statistics in one op call.
     factor = momentum if momentum is not None else 0.0
     if momentum is None and track:
-        factor = 1.0 / num_batches_tracked.item()
+        factor = 1.0 / call.num_batches_tracked.item()
     limit = 0.0 if x.dtype == torch.float64 else _FUSED_MEAN_LIMIT
     stats = (running_mean, running_var) if track else (None, None)
     if ops.update_running_stats(*stats, out.mean, out.var, out.invstd, factor, m, limit):
-        args = (x, weight, bias, running_mean, running_var, num_batches_tracked, training)
-        return _reference_batch_norm(*args, momentum, eps, devices, group_size, comm)
+        return _reference_batch_norm(call)
     return out.y
 
 
-def _reference_batch_norm(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    num_batches_tracked: Tensor | None,
-    training: bool,
-    momentum: float | None,
-    eps: float,
-    devices: int,
-    group_size: int,
-    comm: Communicator | None,
-) -> Tensor:
-    return _BatchNormFunction.apply(
-        x,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        num_batches_tracked,
-        training,
-        momentum,
-        eps,
-        devices,
-        group_size,
-        comm,
-    )
+def _reference_batch_norm(call: BatchNormCall) -> Tensor:
+    # x, weight and bias go to apply() on their own: autograd tracks the tensors among its
+    # arguments, not the tensors inside the call.
+    return _BatchNormFunction.apply(call.x, call.weight, call.bias, call)
 
 
 def _check_args(
@@ -387,20 +355,15 @@ class _BatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
-        x: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        running_mean: Tensor | None,
-        running_var: Tensor | None,
-        num_batches_tracked: Tensor | None,
-        training: bool,
-        momentum: float | None,
-        eps: float,
-        devices: int,
-        group_size: int,
-        comm: Communicator | None,
+        ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None, call: BatchNormCall
     ) -> Tensor:
+        running_mean, running_var = call.running_mean, call.running_var
+        training, devices, group_size, comm = (
+            call.training,
+            call.devices,
+            call.group_size,
+            call.comm,
+        )
         compute = torch.float32 if x.dtype in _HALF_TYPES else x.dtype
         if not training:
             devices = group_size = 1  # running statistics are the same for every slice
@@ -419,17 +382,14 @@ class _BatchNormFunction(torch.autograd.Function):
             sum_t = t.sum(shape.reduce)  # sum(t)
             sum_t2 = torch.mul(t, t, out=scratch).sum(shape.reduce)  # sum(t^2)
             mean, m2 = _slice_moments(pivot, sum_t, sum_t2, shape.n)
-            mean, var, m = _global_moments(
-                mean, m2, shape.n, x, running_mean, running_var, num_batches_tracked,
-                momentum, devices, group_size, comm,
-            )  # fmt: skip
+            mean, var, m = _global_moments(mean, m2, shape.n, call)
         else:
             pivot = running_mean.to(compute).unsqueeze(0)  # K = running mean: t = x - mu
             torch.sub(xs, shape.per_slice(pivot), out=t)
             mean, var = running_mean.double().unsqueeze(0), running_var.double().unsqueeze(0)
             m = 0
 
-        invstd = torch.rsqrt(var + eps)  # 1/sqrt(var + eps), float64 (D, C)
+        invstd = torch.rsqrt(var + call.eps)  # 1/sqrt(var + eps), float64 (D, C)
         offset = mean - pivot.double()  # mu - K, small: t - (mu - K) = x - mu, no cancellation
         # xhat = (x - mu) * invstd = t * invstd - (mu - K) * invstd, in place over t
         _scale_shift(
@@ -465,7 +425,7 @@ class _BatchNormFunction(torch.autograd.Function):
         grad_weight = sum_dy_xhat.sum(0).to(weight.dtype) if need_weight else None  # sum dy*xhat
         grad_bias = sum_dy.sum(0).to(ctx.bias_dtype) if need_bias else None  # sum dy
         if not need_x:
-            return None, grad_weight, grad_bias, *_NO_GRADS
+            return None, grad_weight, grad_bias, None
 
         gamma = weight.to(xhat.dtype).unsqueeze(0) if weight is not None else 1.0
         scale = ctx.invstd * gamma  # gamma * invstd, (D, C)
@@ -480,10 +440,7 @@ class _BatchNormFunction(torch.autograd.Function):
             _scale_shift(dx, dy, shape.per_slice(scale), None)  # eval: statistics are constants
         if grad_x.dtype != ctx.input_dtype:
             grad_x = grad_x.to(ctx.input_dtype)
-        return grad_x, grad_weight, grad_bias, *_NO_GRADS
-
-
-_NO_GRADS = (None,) * 9  # running_mean ... comm
+        return grad_x, grad_weight, grad_bias, None  # the call takes no gradient
 
 
 class _FusedBatchNormFunction(torch.autograd.Function):
@@ -501,28 +458,18 @@ class _FusedBatchNormFunction(torch.autograd.Function):
         x: Tensor,
         weight: Tensor | None,
         bias: Tensor | None,
-        running_mean: Tensor | None,
-        running_var: Tensor | None,
-        num_batches_tracked: Tensor | None,
-        momentum: float | None,
-        eps: float,
-        devices: int,
-        group_size: int,
-        comm: Communicator | None,
+        call: BatchNormCall,
         slice_mean: Tensor,
         slice_m2: Tensor,
     ) -> Tensor:
-        n = _SliceShape(x, devices).n
-        mean, var, m = _global_moments(
-            slice_mean.double(), slice_m2.double(), n, x, running_mean, running_var,
-            num_batches_tracked, momentum, devices, group_size, comm,
-        )  # fmt: skip
+        n = _SliceShape(x, call.devices).n
+        mean, var, m = _global_moments(slice_mean.double(), slice_m2.double(), n, call)
         stats_dtype = slice_mean.dtype  # the kernels' float32 (float64 for float64 input)
-        invstd = torch.rsqrt(var + eps).to(stats_dtype)
+        invstd = torch.rsqrt(var + call.eps).to(stats_dtype)
         mean = mean.to(stats_dtype)
         y = ops.forward_elemt(x, mean, invstd, weight, bias, False)
         ctx.save_for_backward(x, weight, bias, mean, invstd)
-        ctx.group_size, ctx.comm, ctx.count = group_size, comm, m
+        ctx.group_size, ctx.comm, ctx.count = call.group_size, call.comm, m
         return y
 
     @staticmethod
@@ -535,16 +482,13 @@ class _FusedBatchNormFunction(torch.autograd.Function):
         grad_weight = sum_dy_xhat.sum(0).to(weight.dtype) if need_weight else None
         grad_bias = sum_dy.sum(0).to(bias.dtype) if need_bias else None
         if not need_x:
-            return None, grad_weight, grad_bias, *_NO_FUSED_GRADS
+            return None, grad_weight, grad_bias, None, None, None
         sum_dy, sum_dy_xhat = _reduce_grad_sums(sum_dy, sum_dy_xhat, ctx.group_size, ctx.comm)
         count = mean.new_full((1,), float(ctx.count))
         grad_x = ops.backward_elemt(
             grad_y, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count, False
         )
-        return grad_x, grad_weight, grad_bias, *_NO_FUSED_GRADS
-
-
-_NO_FUSED_GRADS = (None,) * 10  # running_mean ... slice_m2
+        return grad_x, grad_weight, grad_bias, None, None, None  # call, slice_mean, slice_m2
 
 
 class _SliceShape:
@@ -599,29 +543,22 @@ def _per_slice(per_group: Tensor, group_size: int) -> Tensor:
 
 
 def _global_moments(
-    mean: Tensor,
-    m2: Tensor,
-    n: int,
-    x: Tensor,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    num_batches_tracked: Tensor | None,
-    momentum: float | None,
-    devices: int,
-    group_size: int,
-    comm: Communicator | None,
+    mean: Tensor, m2: Tensor, n: int, call: BatchNormCall
 ) -> tuple[Tensor, Tensor, int]:
-    """Slices' float64 mean and M2 (D, C) -> each slice's group mean and biased variance (D, C)
-    and the count m: the payload, its one all_reduce, the count check, the running update."""
+    """Slices' float64 mean and M2 (D, C) of n values each -> each slice's group mean and
+    biased variance (D, C) and the count m: the payload, its one all_reduce, the count check,
+    the running update."""
+    group_size, comm = call.group_size, call.comm
     payload = _group_sum(_stats_payload(n, mean, m2), group_size)
     if comm is not None:
         comm.all_reduce_sum(payload)  # the one forward collective: 2C+1 float64 values
     count, mean, var = _moments_from_payload(payload)
     m = _global_count(count, n * group_size, comm)
-    _check_count(m, x, devices, comm)
-    if running_mean is not None and m > 0:
-        factor = momentum if momentum is not None else 1.0 / float(num_batches_tracked)
-        _update_running_stats(running_mean, running_var, mean[0], var[0], m, factor)
+    _check_count(m, call.x, call.devices, comm)
+    if call.running_mean is not None and m > 0:
+        momentum = call.momentum
+        factor = momentum if momentum is not None else 1.0 / float(call.num_batches_tracked)
+        _update_running_stats(call.running_mean, call.running_var, mean[0], var[0], m, factor)
     return _per_slice(mean, group_size), _per_slice(var, group_size), m
 
 
