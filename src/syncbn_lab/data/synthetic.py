@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .base import DataError, DataSplits, require
-from .image_dataset import InMemoryImageDataset, augmentation_from_cfg, channel_stats, mix_seed
+from .image_dataset import InMemoryImageDataset, channel_stats, dataset_options, mix_seed
 
 SPLITS = ("train", "val", "test")
 
@@ -60,13 +60,7 @@ def build_synthetic(cfg: Any) -> DataSplits:
         for k, split in enumerate(SPLITS)
     }
     mean, std = channel_stats(data["train"][0])
-    common = {
-        "mean": mean,
-        "std": std,
-        "normalize": bool(require(cfg, "normalize")),
-        "augmentation": augmentation_from_cfg(cfg),
-        "seed": int(require(cfg, "augment_seed")),
-    }
+    common = dataset_options(cfg, mean, std)
     splits = {
         split: InMemoryImageDataset(*data[split], train=split == "train", **common)
         for split in SPLITS
