@@ -28,13 +28,20 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from syncbn_lab.parallel.ddp import PeerFailed, RankFailed
     from syncbn_lab.train import run
 
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if HydraConfig.get().mode == RunMode.MULTIRUN:  # a failed job must not stop the others
+        from syncbn_lab.multirun import run_job
+
+        summary = run_job(cfg, run_dir, run)
+        return summary.get("test_acc") if summary else None
     with exit_on_user_error():
         try:
-            summary = run(cfg, HydraConfig.get().runtime.output_dir)
+            summary = run(cfg, run_dir)
         except RankFailed as e:  # the failing rank's traceback once, then one line
             if e.remote_traceback:
                 print(e.remote_traceback.rstrip(), file=sys.stderr)
