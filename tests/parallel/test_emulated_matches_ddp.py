@@ -2,8 +2,9 @@
 
 Same seed, same data order: the loss at every one of 20 steps and every tensor of the final
 checkpoint (weights and BN running statistics) agree to 1e-5 relative, for per-device BN and
-for SyncBN, at N = 2 and 4. The N = 4 per-device BN case also runs gradient accumulation
-(DDP's no_sync), dist_bn=reduce and PreciseBN on both sides.
+for SyncBN, at N = 2 and 4, and for Batch Renormalization at N = 2. The N = 4 per-device BN
+case also runs gradient accumulation (DDP's no_sync), dist_bn=reduce and PreciseBN on both
+sides; the Batch Renormalization case dist_bn=reduce and PreciseBN.
 """
 
 import json
@@ -32,6 +33,17 @@ CASES = {
         "trainer.precise_bn_batches=3",
     ],
     "n4-sync": ["bn=sync", "parallel.devices=4"],
+    # Batch Renormalization with r and d free from step 6 on (warm-up 2 batches, ramp 4)
+    "n2-brn-reduce-precise": [
+        "bn=brn",
+        "parallel.devices=2",
+        "bn.warmup=0.1",
+        "bn.ramp=0.2",
+        "bn.rmax=1.5",
+        "bn.dmax=0.5",
+        "parallel.dist_bn=reduce",
+        "trainer.precise_bn_batches=3",
+    ],
 }
 
 

@@ -19,7 +19,10 @@ evaluation, by statistics measured on M training batches with the final weights,
   fvcore's PreciseBN estimates; averaging the per-batch variances alone would leave out the
   spread of the batch means). ``running_var`` stores it unbiased over the K x n values;
 - under DDP the averages are summed over ranks (one all_reduce), so every rank ends with the
-  same statistics.
+  same statistics;
+- Batch Renormalization layers normalise as BatchNorm (r = 1, d = 0) during the passes: their
+  r and d come from the running statistics being replaced, which would feed back into the
+  activations measured (and differ between DDP ranks, whose buffers are not synchronised here).
 
 ``num_batches_tracked`` and the training flag are restored; parameters are untouched.
 """
@@ -91,6 +94,10 @@ def update_bn_stats(
     ]
     was_training = model.training
     model.train()
+    plain = contextlib.ExitStack()  # Batch Renormalization measured as BatchNorm (r=1, d=0)
+    for layer in layers:
+        if hasattr(layer, "as_batchnorm"):
+            plain.enter_context(layer.as_batchnorm())
     try:
         for images, _ in itertools.islice(_cycle(batches), num_batches):
             images = images.to(rt.device, non_blocking=True)
@@ -99,6 +106,7 @@ def update_bn_stats(
     finally:
         for handle in handles:
             handle.remove()
+        plain.close()
         model.train(was_training)
     # One reduction for all layers: [sum_mean, sum_square] per layer and the batch counts.
     flat = torch.cat(

@@ -1,10 +1,12 @@
-"""BatchNorm math and layers: per-device BN, SyncBN over any communicator, conversion helpers.
+"""BatchNorm math and layers: per-device BN, SyncBN over any communicator, Batch
+Renormalization, conversion helpers.
 
 ``functional.batch_norm`` is the reference (hand-written forward and backward);
 ``BatchNorm``/``SyncBatchNorm`` are the modules; ``comm`` holds the communicators that are the
 only difference between real DDP and the single-process emulation of N devices.
 """
 
+from syncbn_lab.nn.batch_renorm import BatchRenorm
 from syncbn_lab.nn.comm import (
     Communicator,
     LocalCommunicator,
@@ -18,6 +20,7 @@ from syncbn_lab.nn.sync_batchnorm import BatchNorm, SyncBatchNorm
 
 __all__ = [
     "BatchNorm",
+    "BatchRenorm",
     "Communicator",
     "LocalCommunicator",
     "ProcessGroupCommunicator",

@@ -1,0 +1,267 @@
+"""Batch Renormalization (Ioffe 2017, arXiv:1702.03275), per device, from the paper's formulas.
+
+Per channel, over the m values of one device's slice, with the running statistics mu and
+sigma = sqrt(running_var + eps) as they stand before this step:
+
+    mu_B = mean(x),  sigma_B = sqrt(var_B + eps)            (var_B biased)
+    r = clip(sigma_B / sigma, 1/rmax, rmax),  d = clip((mu_B - mu) / sigma, -dmax, dmax)
+    xhat = (x - mu_B) / sigma_B,  y = gamma * (r * xhat + d) + beta
+
+r and d are constants in the backward pass (``stop_gradient`` in the paper). The running
+statistics then update from slice 0's mu_B and var_B exactly as BatchNorm's do. In eval
+mode it is BatchNorm with the running statistics. With rmax = 1 and dmax = 0 (r = 1, d = 0)
+it is BatchNorm. docs/batchnorm.md §9 derives the backward and points at the lines below.
+
+The limits follow a schedule counted in training batches (``num_batches_tracked``, so it
+is saved in the state dict and survives a resume): rmax = 1 and dmax = 0 for the first
+``warmup_batches``, then a linear ramp over ``ramp_batches`` to their final values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from syncbn_lab.nn import functional as F
+from syncbn_lab.nn.functional import _SliceShape
+from syncbn_lab.nn.sync_batchnorm import BatchNorm
+
+__all__ = ["BatchRenorm", "batch_renorm", "renorm_limits"]
+
+
+def renorm_limits(
+    batch: int, rmax: float, dmax: float, warmup_batches: int, ramp_batches: int
+) -> tuple[float, float]:
+    """(rmax, dmax) in force at training batch ``batch`` (0-based): 1 and 0 during the
+    warm-up, then linear to ``rmax`` and ``dmax`` over ``ramp_batches`` (at once if 0)."""
+    if ramp_batches > 0:
+        progress = min(max((batch - warmup_batches) / ramp_batches, 0.0), 1.0)
+    else:
+        progress = 1.0 if batch >= warmup_batches else 0.0
+    return 1.0 + (rmax - 1.0) * progress, dmax * progress
+
+
+def batch_renorm(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor,
+    running_var: Tensor,
+    *,
+    rmax: float,
+    dmax: float,
+    momentum: float | None,
+    eps: float,
+    num_batches_tracked: Tensor | None = None,
+    devices: int = 1,
+) -> Tensor:
+    """Training-mode Batch Renormalization of ``x`` seen as ``devices`` slices, each with
+    its own batch statistics and the one set of running statistics (updated in place from
+    slice 0, as BatchNorm's). Arguments as :func:`syncbn_lab.nn.functional.batch_norm`."""
+    if running_mean is None or running_var is None:
+        raise ValueError("Batch Renormalization needs running_mean and running_var")
+    if rmax < 1 or dmax < 0:
+        raise ValueError(f"Batch Renormalization needs rmax >= 1 and dmax >= 0, got {rmax}, {dmax}")
+    F._check_args(
+        x, weight, bias, running_mean, running_var, training=True, momentum=momentum,
+        num_batches_tracked=num_batches_tracked, devices=devices, comm=None, group_size=None,
+    )  # fmt: skip
+    call = F.BatchNormCall(
+        x=x, weight=weight, bias=bias, running_mean=running_mean, running_var=running_var,
+        num_batches_tracked=num_batches_tracked, training=True, momentum=momentum, eps=eps,
+        devices=devices, group_size=1, comm=None,
+    )  # fmt: skip
+    return _BatchRenormFunction.apply(x, weight, bias, call, rmax, dmax)
+
+
+class _BatchRenormFunction(torch.autograd.Function):
+    """Forward and hand-written backward of docs/batchnorm.md §9."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        call: F.BatchNormCall,
+        rmax: float,
+        dmax: float,
+    ) -> Tensor:
+        eps, running_mean, running_var = call.eps, call.running_mean, call.running_var
+        compute = torch.float32 if x.dtype in F._HALF_TYPES else x.dtype
+        shape = _SliceShape(x, call.devices)
+        xs = shape.view(x)
+        xhat = torch.empty_like(x, dtype=compute)  # t = x - K first, then xhat in place
+        t = shape.view(xhat)
+        y = torch.empty_like(x)
+        scratch = shape.view(y if y.dtype == compute else torch.empty_like(xhat))
+        # Each slice's mu_B and var_B as BatchNorm computes them (pivoted sums, float64).
+        pivot = xs.sum(shape.reduce, dtype=compute) / max(shape.n, 1)
+        torch.sub(xs, shape.per_slice(pivot), out=t)
+        sum_t2 = torch.mul(t, t, out=scratch).sum(shape.reduce)
+        slice_mean, slice_m2 = F._slice_moments(pivot, t.sum(shape.reduce), sum_t2, shape.n)
+        mu = running_mean.detach().double().clone()  # the running statistics before the update
+        sigma = torch.sqrt(running_var.detach().double() + eps)  # sigma = sqrt(running_var + eps)
+        mean, var, m = F._global_moments(slice_mean, slice_m2, shape.n, call)  # + running update
+
+        invstd = torch.rsqrt(var + eps)  # 1/sigma_B, (D, C) float64
+        r = (torch.sqrt(var + eps) / sigma).clamp(1 / rmax, rmax)  # r = clip(sigma_B/sigma)
+        d = ((mean - mu) / sigma).clamp(-dmax, dmax)  # d = clip((mu_B - mu)/sigma)
+        offset = mean - pivot.double()
+        # xhat = (x - mu_B) / sigma_B = t * invstd - (mu_B - K) * invstd, in place over t
+        F._scale_shift(
+            t, t, shape.per_slice(invstd, compute), shape.per_slice(-offset * invstd, compute)
+        )
+        gamma = weight.double().unsqueeze(0) if weight is not None else 1.0
+        beta = bias.double().unsqueeze(0) if bias is not None else 0.0
+        scale, shift = gamma * r, gamma * d + beta  # y = (gamma*r) * xhat + (gamma*d + beta)
+        F._scale_shift(scratch, t, shape.per_slice(scale, compute), shape.per_slice(shift, compute))
+        if scratch.data_ptr() != y.data_ptr():
+            y.copy_(scratch.view_as(y))
+
+        ctx.save_for_backward(xhat, weight)
+        ctx.invstd_r = (invstd * r).to(compute)  # r / sigma_B
+        ctx.r, ctx.d = r.to(compute), d.to(compute)
+        ctx.shape, ctx.count, ctx.input_dtype = shape, m, x.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y: Tensor):
+        xhat, weight = ctx.saved_tensors
+        shape: _SliceShape = ctx.shape
+        need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
+        dy = shape.view(grad_y)
+        xhat_s = shape.view(xhat)
+        grad_x = torch.empty_like(xhat)
+        dx = shape.view(grad_x)
+        sum_dy = dy.sum(shape.reduce, dtype=xhat.dtype)  # Σdy per slice (D, C)
+        sum_dy_xhat = torch.mul(dy, xhat_s, out=dx).sum(shape.reduce)  # Σdy·xhat per slice
+
+        # dgamma = Σ dy * (r*xhat + d) = r*Σdy·xhat + d*Σdy (per slice, then over slices)
+        grad_weight = None
+        if need_weight:
+            grad_weight = (sum_dy_xhat * ctx.r + sum_dy * ctx.d).sum(0).to(weight.dtype)
+        grad_bias = sum_dy.sum(0).to(ctx.bias_dtype) if need_bias else None  # dbeta = Σdy
+        if not need_x:
+            return None, grad_weight, grad_bias, *_NO_GRADS
+        gamma = weight.to(xhat.dtype).unsqueeze(0) if weight is not None else 1.0
+        scale = ctx.invstd_r * gamma  # gamma * r / sigma_B, (D, C)
+        m = max(ctx.count, 1)
+        # dx = gamma*r/sigma_B/m * (m*dy - Σdy - xhat*Σdy·xhat), as BN's with scale*r
+        F._scale_shift(dx, dy, shape.per_slice(scale), shape.per_slice(-scale * sum_dy / m))
+        dx.addcmul_(xhat_s, shape.per_slice(-scale * sum_dy_xhat / m))
+        if grad_x.dtype != ctx.input_dtype:
+            grad_x = grad_x.to(ctx.input_dtype)
+        return grad_x, grad_weight, grad_bias, *_NO_GRADS
+
+
+_NO_GRADS = (None,) * 3  # call, rmax, dmax
+
+
+class BatchRenorm(BatchNorm):
+    """Batch Renormalization with torch's BatchNorm constructor and state-dict keys.
+
+    Each device slice (``devices``, as :class:`~syncbn_lab.nn.BatchNorm`) is normalised with
+    its own batch statistics and corrected towards the running statistics by r and d (see
+    the module doc); the running statistics follow slice 0. Eval mode is BatchNorm's.
+
+    Args beyond torch's BatchNorm (``track_running_stats`` must be True: r and d need the
+    running statistics):
+        rmax, dmax: final limits of r (>= 1) and d (>= 0); the paper's 3 and 5 by default.
+        warmup_batches: training batches with rmax = 1 and dmax = 0 (plain BatchNorm).
+        ramp_batches: training batches over which the limits then grow linearly to their
+            final values (0: at once). Defaults: the paper's 5,000 and 35,000 (rmax reaches
+            3 after 40,000 steps).
+    The schedule counts ``num_batches_tracked`` (a buffer, saved with the model).
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        bias: bool = True,
+        devices: int = 1,
+        rmax: float = 3.0,
+        dmax: float = 5.0,
+        warmup_batches: int = 5_000,
+        ramp_batches: int = 35_000,
+    ) -> None:
+        if not track_running_stats:
+            raise ValueError("BatchRenorm needs track_running_stats=True (r and d use them)")
+        if not (rmax >= 1 and dmax >= 0 and math.isfinite(rmax) and math.isfinite(dmax)):
+            raise ValueError(
+                f"BatchRenorm needs finite rmax >= 1 and dmax >= 0, got {rmax}, {dmax}"
+            )
+        if warmup_batches < 0 or ramp_batches < 0:
+            raise ValueError(
+                f"BatchRenorm warmup_batches={warmup_batches} and ramp_batches={ramp_batches} "
+                "must be >= 0"
+            )
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device, dtype,
+            bias=bias, impl="reference", devices=devices,
+        )  # fmt: skip
+        self.rmax, self.dmax = float(rmax), float(dmax)
+        self.warmup_batches, self.ramp_batches = int(warmup_batches), int(ramp_batches)
+        self.plain = False  # see as_batchnorm
+
+    @contextlib.contextmanager
+    def as_batchnorm(self) -> Iterator[None]:
+        """Within the block, training steps use r = 1 and d = 0 (BatchNorm): for PreciseBN,
+        whose re-estimated running statistics would otherwise feed back into the very
+        activations it measures (and differently on every DDP rank)."""
+        previous, self.plain = self.plain, True
+        try:
+            yield
+        finally:
+            self.plain = previous
+
+    def limits(self) -> tuple[float, float]:
+        """(rmax, dmax) for the next training batch."""
+        if self.plain:
+            return 1.0, 0.0
+        return renorm_limits(
+            int(self.num_batches_tracked), self.rmax, self.dmax,
+            self.warmup_batches, self.ramp_batches,
+        )  # fmt: skip
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not self.training:
+            return super().forward(input)  # BatchNorm with the running statistics
+        self._check_input_dim(input)
+        rmax, dmax = self.limits()
+        self.num_batches_tracked.add_(1)
+        return batch_renorm(
+            input,
+            self.weight,
+            self.bias,
+            self.running_mean,
+            self.running_var,
+            rmax=rmax,
+            dmax=dmax,
+            momentum=self.momentum,
+            eps=self.eps,
+            num_batches_tracked=self.num_batches_tracked,
+            devices=self.devices,
+        )
+
+    def extra_repr(self) -> str:
+        devices = f", devices={self.devices}" if self.devices != 1 else ""
+        return (
+            f"{_BatchNorm.extra_repr(self)}{devices}, rmax={self.rmax}, dmax={self.dmax}, "
+            f"warmup_batches={self.warmup_batches}, ramp_batches={self.ramp_batches}"
+        )
