@@ -58,11 +58,41 @@ def validate(cfg: DictConfig) -> DictConfig:
             "bn=torch_sync (torch.nn.SyncBatchNorm) runs only on CUDA; use bn=sync, "
             "this project's SyncBatchNorm, which also runs on CPU"
         )
+    if cfg.bn.name == "brn":
+        _check_batch_renorm(cfg)
     derived = {"per_device_batch_size": t.global_batch_size // split, "device": device}
     derived.update(_check_parallel(cfg, device))
     with open_dict(cfg):
         cfg.derived = OmegaConf.create(derived)
     return cfg
+
+
+def _check_batch_renorm(cfg: DictConfig) -> None:
+    """bn=brn: the limits, the schedule's fractions, and the emulation's one limitation."""
+    bn, p = cfg.bn, cfg.parallel
+    for key in ("rmax", "dmax", "warmup", "ramp"):
+        value = bn.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"bn.{key}={value} must be a number; set it in configs/bn/brn.yaml")
+    if not 1 <= bn.rmax < float("inf"):
+        raise ConfigError(f"bn.rmax={bn.rmax} must be >= 1 (r is clipped to [1/rmax, rmax])")
+    if not 0 <= bn.dmax < float("inf"):
+        raise ConfigError(f"bn.dmax={bn.dmax} must be >= 0 (d is clipped to [-dmax, dmax])")
+    for key in ("warmup", "ramp"):
+        if not 0 <= bn[key] <= 1:
+            raise ConfigError(f"bn.{key}={bn[key]} must be a fraction of the run in [0, 1]")
+    if bn.warmup + bn.ramp > 1:
+        raise ConfigError(
+            f"bn.warmup + bn.ramp = {bn.warmup} + {bn.ramp} > 1: the ramp does not fit in the "
+            "run; lower bn.warmup or bn.ramp"
+        )
+    accumulate, broadcast = cfg.trainer.accumulate, p.get("broadcast_buffers", True)
+    if p.name == "emulated" and p.devices > 1 and (accumulate > 1 or not broadcast):
+        raise ConfigError(
+            "bn=brn under parallel=emulated gives every device device 0's running statistics, "
+            "which is what DDP does only when every forward starts from rank 0's buffers; use "
+            "trainer.accumulate=1 and parallel.broadcast_buffers=true, or parallel=ddp"
+        )
 
 
 def torchrun_env() -> dict[str, int] | None:

@@ -20,7 +20,7 @@ from syncbn_lab.engine.loop import Loaders, Trainer
 from syncbn_lab.engine.optim import build_optimizer
 from syncbn_lab.errors import ConfigError
 from syncbn_lab.logging import NullLogger, RunLogger
-from syncbn_lab.nn.registry import norm_layer
+from syncbn_lab.nn.registry import norm_layer, normalization_batch_size
 from syncbn_lab.parallel import launch, parallelize
 from syncbn_lab.parallel.context import Runtime
 from syncbn_lab.parallel.sampling import eval_loader, seed_everything, train_loader
@@ -84,13 +84,16 @@ def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     # Only the emulation puts several devices' slices through one norm layer; DataParallel's
     # replicas each get their own slice, DDP ranks their own batch.
     emulated = cfg.parallel.devices if cfg.parallel.name == "emulated" else 1
-    norm = norm_layer(cfg.bn, emulated_devices=emulated)
+    per_device = cfg.derived.per_device_batch_size
+    train_batches = train_loader(splits.train, rt, per_device, t.seed, t.num_workers)
+    steps = t.epochs * (len(train_batches) // t.accumulate)  # the Trainer's total_steps
+    steps = min(steps, t.max_steps) if t.max_steps is not None else steps
+    norm = norm_layer(cfg.bn, emulated_devices=emulated, training_batches=steps * t.accumulate)
     model = models.build(cfg.model, norm, splits.num_classes, splits.in_channels).to(rt.device)
     parallel = parallelize(model, cfg, rt)
     optimizer = build_optimizer(cfg.optim, model)
-    per_device = cfg.derived.per_device_batch_size
     loaders = Loaders(
-        train=train_loader(splits.train, rt, per_device, t.seed, t.num_workers),
+        train=train_batches,
         val=eval_loader(splits.val, rt, t.eval_batch_size, t.num_workers),
         test=eval_loader(splits.test, rt, t.eval_batch_size, t.num_workers),
     )
@@ -114,6 +117,7 @@ def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "wall_time_s": time.perf_counter() - started,
             "global_batch_size": t.global_batch_size,
             "per_device_batch_size": per_device,
+            "normalization_batch_size": normalization_batch_size(cfg.bn, per_device, cfg.parallel),
             "accumulate": t.accumulate,
             "devices": cfg.parallel.devices,
             "parallel": cfg.parallel.name,
