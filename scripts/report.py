@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 from syncbn_lab.cli import exit_on_user_error
-from syncbn_lab.report import collect_runs, write_report
+from syncbn_lab.report import collect_failures, collect_runs, write_report
 
 
 def main() -> None:
@@ -27,8 +27,10 @@ def main() -> None:
     args = parser.parse_args()
     with exit_on_user_error():
         runs = collect_runs(*args.sweep_dirs)
-        write_report(runs, args.out, args.title, args.wall_time_s)
-    print(f"{len(runs)} runs -> {args.out}/README.md, results.csv, *.png")
+        failures = collect_failures(*args.sweep_dirs)
+        write_report(runs, args.out, args.title, args.wall_time_s, failures)
+    missing = f" ({len(failures)} failed, marked missing)" if failures else ""
+    print(f"{len(runs)} runs{missing} -> {args.out}/README.md, results.csv, *.png")
 
 
 if __name__ == "__main__":

@@ -107,8 +107,8 @@ def record_failure(cfg: DictConfig, run_dir: Path, line: str) -> None:
         except Exception:  # an interpolation that cannot resolve: leave the key out
             continue
     try:
-        devices = record["devices"] * record["accumulate"]
-        record["per_device_batch_size"] = record["global_batch_size"] / devices
+        split, total = record["devices"] * record["accumulate"], record["global_batch_size"]
+        record["per_device_batch_size"] = total // split if total % split == 0 else total / split
     except (KeyError, TypeError, ZeroDivisionError):
         pass
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from syncbn_lab.errors import UserError
+from syncbn_lab.multirun import ERROR_FILE, finished_summary
 
 CSV_COLUMNS = (
     "bn",
@@ -55,9 +56,38 @@ class Run:
         return {key: values.get(key) for key in CSV_COLUMNS}
 
 
+@dataclass
+class Failure:
+    """A run of the sweep that failed: its cell (bn, devices, seed, ...) and one-line reason,
+    from the ``error.json`` it left in its run dir (syncbn_lab.multirun)."""
+
+    run_dir: Path
+    cell: dict[str, Any]
+    reason: str
+
+    def __getitem__(self, key: str) -> Any:
+        return self.cell.get(key)
+
+
+def collect_failures(*sweep_dirs: Path) -> list[Failure]:
+    """Every run dir under ``sweep_dirs`` with an error.json and no finished run."""
+    failures = []
+    for sweep_dir in sweep_dirs:
+        for error_path in sorted(Path(sweep_dir).rglob(ERROR_FILE)):
+            run_dir = error_path.parent
+            if finished_summary(run_dir) is not None:
+                continue  # a later attempt finished it
+            try:
+                cell = json.loads(error_path.read_text())
+            except ValueError:
+                cell = {"error": f"unreadable {ERROR_FILE}"}
+            failures.append(Failure(run_dir, cell, str(cell.get("error", ""))))
+    return failures
+
+
 def collect_runs(*sweep_dirs: Path) -> list[Run]:
-    """Every run dir under ``sweep_dirs`` that holds a summary.json (unfinished runs are
-    skipped; they have none)."""
+    """Every run dir under ``sweep_dirs`` that holds a complete summary.json (unfinished and
+    failed runs are skipped: see :func:`collect_failures`)."""
     runs = []
     for sweep_dir in sweep_dirs:
         if not Path(sweep_dir).is_dir():
@@ -67,7 +97,9 @@ def collect_runs(*sweep_dirs: Path) -> list[Run]:
             )
         for summary_path in sorted(Path(sweep_dir).rglob("summary.json")):
             run_dir = summary_path.parent
-            summary = json.loads(summary_path.read_text())
+            summary = finished_summary(run_dir)
+            if summary is None:
+                continue  # cut short by an interruption
             runs.append(Run(run_dir, summary, _loss_curve(run_dir / "metrics.jsonl")))
     if not runs:
         raise UserError(f"no finished runs (summary.json) under {', '.join(map(str, sweep_dirs))}")

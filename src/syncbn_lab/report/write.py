@@ -8,7 +8,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from syncbn_lab.report.collect import CSV_COLUMNS, Run
+from syncbn_lab.report.collect import CSV_COLUMNS, Failure, Run
 
 # Wu & He, "Group Normalization" (ECCV 2018), Table 3: ResNet-50 on ImageNet, BN computed
 # per GPU, validation error (%) by images per GPU.
@@ -66,15 +66,21 @@ def paired_vs_one_device(runs: list[Run], variant: str) -> list[dict]:
 
 
 def write_report(
-    runs: list[Run], out_dir: Path, title: str, sweep_wall_time_s: float | None = None
+    runs: list[Run],
+    out_dir: Path,
+    title: str,
+    sweep_wall_time_s: float | None = None,
+    failures: list[Failure] = (),
 ) -> None:
+    """results.csv, README.md and the plots of ``runs`` into ``out_dir``; the cells of
+    ``failures`` are marked missing, with each failed run's one-line reason."""
     out_dir.mkdir(parents=True, exist_ok=True)
     emulated_or_single = [r for r in runs if r["parallel"] != "ddp"]
     ddp = [r for r in runs if r["parallel"] == "ddp"]
     main = emulated_or_single or runs
     _write_csv(runs, out_dir / "results.csv")
     plots = _plots(main, out_dir)
-    text = _markdown(main, ddp, title, plots, sweep_wall_time_s)
+    text = _markdown(main, ddp, title, plots, sweep_wall_time_s, list(failures))
     if (out_dir / NOTES).exists():
         text += f"\nMore observations on this run, written by hand: [{NOTES}]({NOTES}).\n"
     (out_dir / "README.md").write_text(text)
@@ -93,9 +99,12 @@ def _variants(runs: list[Run]) -> list[str]:
     return [v for v in VARIANT_ORDER if v in present] + sorted(present - set(VARIANT_ORDER))
 
 
-def _markdown(runs, ddp, title, plots, sweep_wall_time_s) -> str:
+def _markdown(runs, ddp, title, plots, sweep_wall_time_s, failures) -> str:
     variants = _variants(runs)
-    batches = sorted({r["per_device_batch_size"] for r in runs if r["bn"] != "gn"}, reverse=True)
+    failed_cells = group(failures, "bn", "per_device_batch_size")
+    batches = {r["per_device_batch_size"] for r in runs if r["bn"] != "gn"}
+    batches |= {f["per_device_batch_size"] for f in failures if f["bn"] in variants}
+    batches = sorted((b for b in batches if isinstance(b, int)), reverse=True)
     cells = group(runs, "bn", "per_device_batch_size")
     any_run = runs[0]
     seeds = sorted({r["seed"] for r in runs})
@@ -109,6 +118,8 @@ def _markdown(runs, ddp, title, plots, sweep_wall_time_s) -> str:
     ]
     if sweep_wall_time_s is not None:
         lines.append(f"The sweep took {sweep_wall_time_s / 60:.1f} minutes of wall time.")
+    if failures:
+        lines += _missing_section(failures)
     lines += ["", "## Test error (%), mean ± std over seeds", ""]
     header = "| images per device | " + " | ".join(
         f"{v} (EMA) | {v} (PreciseBN)" for v in variants if v != "gn"
@@ -120,8 +131,9 @@ def _markdown(runs, ddp, title, plots, sweep_wall_time_s) -> str:
             if v == "gn":
                 continue
             members = cells.get((v, b), [])
-            row.append(fmt(*mean_std([r.test_error for r in members])))
-            row.append(fmt(*mean_std([r.test_error_precise_bn for r in members])))
+            note = _missing_note(len(failed_cells.get((v, b), [])), bool(members))
+            row.append(fmt(*mean_std([r.test_error for r in members])) + note)
+            row.append(fmt(*mean_std([r.test_error_precise_bn for r in members])) + note)
         lines.append("| " + " | ".join(row) + " |")
     gn_runs = [r for r in runs if r["bn"] == "gn"]
     if gn_runs:
@@ -163,6 +175,33 @@ def _markdown(runs, ddp, title, plots, sweep_wall_time_s) -> str:
     lines += ["", "## Plots", ""] + [f"![{name}]({name})" for name in plots]
     lines += ["", "## Reading", ""] + _reading(runs, cells, batches)
     return "\n".join(lines) + "\n"
+
+
+def _missing_note(failed: int, some_finished: bool) -> str:
+    if not failed:
+        return ""
+    return f" ({failed} missing)" if some_finished else " missing"
+
+
+def _missing_section(failures: list[Failure]) -> list[str]:
+    """The failed runs, one line each: which cell, and why (their error.json)."""
+    lines = [
+        "",
+        f"**{len(failures)} run(s) failed** and are missing from the tables below:",
+        "",
+        "| bn | parallel | devices | images per device | seed | reason | run dir |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for f in sorted(failures, key=lambda f: str(f.run_dir)):
+        per_device = f["per_device_batch_size"]
+        if isinstance(per_device, float):
+            per_device = f"{per_device:g}"
+        reason = f.reason.replace("|", "\\|")
+        lines.append(
+            f"| {f['bn']} | {f['parallel']} | {f['devices']} | {per_device} | {f['seed']} | "
+            f"{reason} | {f.run_dir.name} |"
+        )
+    return lines
 
 
 NOTES = "NOTES.md"
