@@ -182,11 +182,10 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> with_param_grads(
 // faster path only for some inputs.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_train_composite(
     const at::Tensor& x, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias, int64_t devices, int64_t group_size, double eps,
-    bool relu);
+    const std::optional<at::Tensor>& bias, int64_t devices, int64_t group_size, double eps);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train_backward_composite(
     const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& invstd,
-    bool relu, bool input_grad);
+    bool input_grad);
 
 }  // namespace syncbn_lab

@@ -25,20 +25,18 @@ class BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x,
                                const std::optional<Tensor>& weight,
                                const std::optional<Tensor>& bias, int64_t devices,
-                               int64_t group_size, double eps, bool relu) {
+                               int64_t group_size, double eps) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("syncbn_lab::batch_norm_train", "")
                          .typed<std::tuple<Tensor, Tensor, Tensor, Tensor>(
                              const Tensor&, const std::optional<Tensor>&,
-                             const std::optional<Tensor>&, int64_t, int64_t, double, bool)>();
+                             const std::optional<Tensor>&, int64_t, int64_t, double)>();
     // mean, var and invstd take no gradient: without this the engine would hand backward
     // three zero-filled (G, C) tensors per step (three fill launches on a GPU).
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [y, mean, var, invstd] =
-        op.call(x, weight, bias, devices, group_size, eps, relu);
+    auto [y, mean, var, invstd] = op.call(x, weight, bias, devices, group_size, eps);
     ctx->save_for_backward({x, weight.value_or(Tensor()), bias.value_or(Tensor()), mean, invstd});
-    ctx->saved_data["relu"] = relu;
     ctx->mark_non_differentiable({mean, var, invstd});
     return {y, mean, var, invstd};
   }
@@ -48,7 +46,7 @@ class BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
                          .findSchemaOrThrow("syncbn_lab::batch_norm_train_backward", "")
                          .typed<std::tuple<Tensor, Tensor, Tensor>(
                              const Tensor&, const Tensor&, const std::optional<Tensor>&,
-                             const std::optional<Tensor>&, const Tensor&, const Tensor&, bool,
+                             const std::optional<Tensor>&, const Tensor&, const Tensor&,
                              bool)>();
     const auto saved = ctx->get_saved_variables();
     const Tensor& x = saved[0];
@@ -61,12 +59,10 @@ class BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
     Tensor dy = grads[0];
     if (!dy.defined()) dy = at::zeros_like(x);  // y unused: the outputs' gradients are zero
     auto [dx, dweight, dbias] =
-        op.call(dy, x, optional_of(weight), optional_of(bias), saved[3], saved[4],
-                ctx->saved_data["relu"].toBool(), need_dx);
+        op.call(dy, x, optional_of(weight), optional_of(bias), saved[3], saved[4], need_dx);
     return {need_dx ? dx : Tensor(),
             need_dweight ? dweight.to(weight.scalar_type()) : Tensor(),
             need_dbias ? dbias.to(bias.scalar_type()) : Tensor(),
-            Tensor(),
             Tensor(),
             Tensor(),
             Tensor()};
@@ -75,8 +71,8 @@ class BatchNormTrain : public torch::autograd::Function<BatchNormTrain> {
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train_autograd(
     const Tensor& x, const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
-    int64_t devices, int64_t group_size, double eps, bool relu) {
-  auto out = BatchNormTrain::apply(x, weight, bias, devices, group_size, eps, relu);
+    int64_t devices, int64_t group_size, double eps) {
+  auto out = BatchNormTrain::apply(x, weight, bias, devices, group_size, eps);
   return {out[0], out[1], out[2], out[3]};
 }
 

@@ -12,15 +12,14 @@
 // Welford's divisions happen once per band and memory is touched once per band, not per row.
 // The hot loops are leaf functions compiled for x86-64-v4, -v3 and baseline with GCC's
 // target_clones (the loader picks one at run time), so a build is fast and portable.
-// setup.py compiles this file with -ffp-contract=off: the ReLU mask recomputed in the
-// backward, (x - mean) * scale + bias > 0, is then bit-identical to the forward's output.
+// setup.py compiles this file with -ffp-contract=off, so no clone fuses a multiply and an
+// add into an fma: every clone, and the single-pass and two-pass paths, round alike.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -30,10 +29,6 @@
 #include <vector>
 
 #include "syncbn.h"
-
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
     !defined(SYNCBN_LAB_NO_CLONES)
@@ -312,172 +307,11 @@ std::tuple<Tensor, Tensor, Tensor> local_stats_cpu(const Tensor& x_in, int64_t d
   return {count, mean, m2};
 }
 
-// count (*B, K), mean and m2 (*B, K, C) -> count (*B), mean and m2 (*B, C).
-std::tuple<Tensor, Tensor, Tensor> merge_stats_cpu(const Tensor& count_in, const Tensor& mean_in,
-                                                   const Tensor& m2_in) {
-  TORCH_CHECK(mean_in.dim() >= 2 && m2_in.sizes() == mean_in.sizes(),
-              "syncbn_lab::merge_stats: mean and m2 must have the same shape (*B, K, C), got ",
-              mean_in.sizes(), " and ", m2_in.sizes());
-  TORCH_CHECK(count_in.sizes() == mean_in.sizes().slice(0, mean_in.dim() - 1),
-              "syncbn_lab::merge_stats: count must have shape (*B, K) = ",
-              mean_in.sizes().slice(0, mean_in.dim() - 1), ", got ", count_in.sizes());
-  TORCH_CHECK(at::isFloatingType(mean_in.scalar_type()) && mean_in.element_size() >= 4,
-              "syncbn_lab::merge_stats: expected float32 or float64 statistics, got ",
-              mean_in.scalar_type());
-  const int64_t C = mean_in.size(-1), K = mean_in.size(-2);
-  const int64_t B = c10::multiply_integers(mean_in.sizes().slice(0, mean_in.dim() - 2));
-  const auto acc = mean_in.scalar_type();
-  const Tensor count = count_in.to(acc).contiguous();
-  const Tensor mean = mean_in.contiguous();
-  const Tensor m2 = m2_in.to(acc).contiguous();
-  auto out_batch = mean_in.sizes().slice(0, mean_in.dim() - 2).vec();
-  Tensor count_out = at::empty(out_batch, count_in.options());
-  auto stat_shape = out_batch;
-  stat_shape.push_back(C);
-  Tensor mean_out = at::empty(stat_shape, mean_in.options());
-  Tensor m2_out = at::empty(stat_shape, mean_in.options());
-  Tensor count_acc = at::empty(out_batch, mean_in.options());
-
-  AT_DISPATCH_FLOATING_TYPES(acc, "merge_stats_cpu", [&] {
-    using A = scalar_t;
-    const A* np = count.const_data_ptr<A>();
-    const A* mp = mean.const_data_ptr<A>();
-    const A* m2p = m2.const_data_ptr<A>();
-    A* cop = count_acc.mutable_data_ptr<A>();
-    A* mop = mean_out.mutable_data_ptr<A>();
-    A* m2op = m2_out.mutable_data_ptr<A>();
-    for (int64_t b = 0; b < B; ++b) {
-      A total = 0;
-      for (int64_t k = 0; k < K; ++k) total += np[b * K + k];
-      cop[b] = total;
-    }
-    at::parallel_for(0, B * C, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / C, c = i % C;
-        Welford<A> w;
-        for (int64_t k = 0; k < K; ++k) {
-          const int64_t j = (b * K + k) * C + c;
-          w.merge(np[b * K + k], mp[j], m2p[j]);
-        }
-        mop[i] = w.mean;
-        m2op[i] = w.m2;
-      }
-    });
-  });
-  count_out.copy_(count_acc);
-  return {count_out, mean_out, m2_out};
-}
-
-// ---------------------------------------------------------------------------------------
-// Streaming stores for outputs bigger than the caches
-// ---------------------------------------------------------------------------------------
-// An ordinary store to a line that is not in the cache first reads the line (the write
-// allocates it), so an elementwise pass that writes an output far bigger than the caches
-// reads every byte of the output before it overwrites it: y = f(x) moves 3 bytes for each
-// byte of y, dx = f(dy, x) 4. Streaming (non-temporal) stores write whole lines without
-// reading them. They also leave the output out of the cache, which costs a consumer that
-// reads it at once when it would have stayed cached; so only outputs of at least
-// kStreamMinBytes stream. Measured on the CPU of csrc/README.md (one thread; numbers there).
-// The environment variable SYNCBN_LAB_STREAM_MIN_BYTES overrides the threshold at every call
-// (0: stream every output, which the tests use; a value above any size: never stream).
-constexpr int64_t kStreamMinBytes = 8 << 20;
-constexpr int64_t kScratchBytes = 16 << 10;  // output bytes per streamed piece (in L1)
-constexpr int64_t kLineBytes = 64;
-
-#if defined(__SSE2__)
-constexpr bool kHaveStreamingStores = true;
-#else
-constexpr bool kHaveStreamingStores = false;
-#endif
-
-int64_t stream_min_bytes() {
-  const char* env = std::getenv("SYNCBN_LAB_STREAM_MIN_BYTES");
-  if (env == nullptr || *env == '\0') return kStreamMinBytes;
-  char* end = nullptr;
-  errno = 0;
-  const long long value = std::strtoll(env, &end, 10);
-  TORCH_CHECK(*end == '\0' && errno == 0 && value >= 0,
-              "syncbn_lab: SYNCBN_LAB_STREAM_MIN_BYTES must be a whole number of bytes >= 0, "
-              "got '", env, "'; unset it for the default of ", kStreamMinBytes);
-  return value;
-}
-
-// Whether an elementwise op writes `out` with streaming stores.
-bool streams(const Tensor& out) {
-  return kHaveStreamingStores && static_cast<int64_t>(out.nbytes()) >= stream_min_bytes();
-}
-
-// dst[0, bytes) = src[0, bytes): the whole lines of dst with streaming stores, the partial
-// lines at either end with ordinary ones (a partial line written by streaming stores goes to
-// memory as a slow partial write).
-void stream_copy(void* dst, const void* src, int64_t bytes) {
-#if defined(__SSE2__)
-  auto* d = static_cast<char*>(dst);
-  const auto* s = static_cast<const char*>(src);
-  const int64_t misaligned = static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(d) % kLineBytes);
-  const int64_t head = std::min(bytes, misaligned == 0 ? 0 : kLineBytes - misaligned);
-  std::memcpy(d, s, head);
-  d += head;
-  s += head;
-  bytes -= head;
-  for (; bytes >= kLineBytes; bytes -= kLineBytes, d += kLineBytes, s += kLineBytes) {
-    for (int64_t k = 0; k < kLineBytes; k += 16) {
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + k),
-                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k)));
-    }
-  }
-  std::memcpy(d, s, bytes);
-#else
-  std::memcpy(dst, src, bytes);
-#endif
-}
-
-// Streaming stores are weakly ordered: make them visible before the task ends.
-inline void stream_fence() {
-#if defined(__SSE2__)
-  _mm_sfence();
-#endif
-}
-
-// Runs an elementwise kernel whose output is `rows` rows of W values spaced `ld` apart at
-// dst. kernel(r0, nr, c0, nc, out, ldo) computes rows [r0, r0 + nr), columns [c0, c0 + nc)
-// and writes them at out, rows spaced ldo apart. Without `stream` it writes dst directly, in
-// one call; with it, pieces of up to kScratchBytes go to a buffer in L1 and from there to dst
-// with streaming stores.
-template <typename T, typename F>
-void write_rows(T* dst, int64_t rows, int64_t W, int64_t ld, bool stream, const F& kernel) {
-  if (!stream) {
-    kernel(0, rows, 0, W, dst, ld);
-    return;
-  }
-  alignas(kLineBytes) unsigned char scratch[kScratchBytes];
-  T* buf = reinterpret_cast<T*>(scratch);
-  constexpr int64_t capacity = kScratchBytes / static_cast<int64_t>(sizeof(T));
-  const int64_t cols = std::min(W, capacity);
-  const int64_t piece_rows = std::max<int64_t>(1, capacity / std::max<int64_t>(W, 1));
-  for (int64_t r0 = 0; r0 < rows; r0 += piece_rows) {
-    const int64_t nr = std::min(piece_rows, rows - r0);
-    for (int64_t c0 = 0; c0 < W; c0 += cols) {
-      const int64_t nc = std::min(cols, W - c0);
-      kernel(r0, nr, c0, nc, buf, nc);
-      if (nc == ld) {  // whole rows, back to back: one run
-        stream_copy(dst + r0 * ld, buf, nr * nc * static_cast<int64_t>(sizeof(T)));
-        continue;
-      }
-      for (int64_t r = 0; r < nr; ++r) {
-        stream_copy(dst + (r0 + r) * ld + c0, buf + r * nc, nc * static_cast<int64_t>(sizeof(T)));
-      }
-    }
-  }
-  stream_fence();
-}
-
 // ---------------------------------------------------------------------------------------
 // Elementwise forward: y = (x - mean) * scale + shift, scale = weight * invstd, shift = bias
 // ---------------------------------------------------------------------------------------
 
-// Per (slice, channel) coefficients, shared by the forward and the backward so that the
-// ReLU mask is recomputed from exactly the same numbers.
+// Per (slice, channel) coefficients of the elementwise passes, forward and backward.
 template <typename A>
 struct Coefficients {
   int64_t slices = 1, C = 0;
@@ -512,16 +346,11 @@ std::vector<A> expand(const A* per_channel, int64_t C, int64_t per) {
   return out;
 }
 
-template <typename A>
-inline A relu_of(A v) {
-  return v < A(0) ? A(0) : v;  // NaN stays NaN, as torch.relu
-}
-
 // The elementwise kernels loop over many rows per call: a row can be as short as C values,
 // and a call through target_clones' resolver costs about as much as a short row.
 
 // `planes` runs of S values spaced `ld` apart (`ldy` in y), one set of coefficients.
-template <typename T, typename A, bool RELU>
+template <typename T, typename A>
 SYNCBN_CLONES void affine_planes(const T* __restrict__ x, T* __restrict__ y, int64_t planes,
                                  int64_t S, int64_t ld, int64_t ldy, A mean, A scale, A shift) {
   for (int64_t p = 0; p < planes; ++p) {
@@ -529,13 +358,13 @@ SYNCBN_CLONES void affine_planes(const T* __restrict__ x, T* __restrict__ y, int
     T* __restrict__ yr = y + p * ldy;
     for (int64_t s = 0; s < S; ++s) {
       const A v = (static_cast<A>(xr[s]) - mean) * scale + shift;
-      yr[s] = static_cast<T>(RELU ? relu_of(v) : v);
+      yr[s] = static_cast<T>(v);
     }
   }
 }
 
 // `rows` rows of W values spaced `ld` apart (`ldy` in y), coefficients per column.
-template <typename T, typename A, bool RELU>
+template <typename T, typename A>
 SYNCBN_CLONES void affine_rows(const T* __restrict__ x, T* __restrict__ y, int64_t rows,
                                int64_t W, int64_t ld, int64_t ldy, const A* __restrict__ mean,
                                const A* __restrict__ scale, const A* __restrict__ shift) {
@@ -544,7 +373,7 @@ SYNCBN_CLONES void affine_rows(const T* __restrict__ x, T* __restrict__ y, int64
     T* __restrict__ yr = y + r * ldy;
     for (int64_t w = 0; w < W; ++w) {
       const A v = (static_cast<A>(xr[w]) - mean[w]) * scale[w] + shift[w];
-      yr[w] = static_cast<T>(RELU ? relu_of(v) : v);
+      yr[w] = static_cast<T>(v);
     }
   }
 }
@@ -610,22 +439,18 @@ Prepared prepare(const Tensor& x_in, const Tensor& mean, const Tensor& invstd,
   return p;
 }
 
-template <bool RELU, typename scalar_t, typename A>
+template <typename scalar_t, typename A>
 void forward_loops(const Prepared& p, const Coefficients<A>& k, Tensor& y) {
   const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
   scalar_t* yp = y.mutable_data_ptr<scalar_t>();
   const Geometry& g = p.g;
   const int64_t C = g.C, S = g.S;
-  const bool stream = streams(y);
   if (use_planes(g, p.layout)) {
     at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t c = i % C, off = plane_offset(g, i), ld = C * S;
-        write_rows(yp + off, g.n, S, ld, stream,
-                   [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, scalar_t* to, int64_t ldo) {
-                     affine_planes<scalar_t, A, RELU>(xp + off + r0 * ld + c0, to, nr, nc, ld,
-                                                      ldo, k.mean[i], k.scale[i], k.shift[c]);
-                   });
+        affine_planes<scalar_t, A>(xp + off, yp + off, g.n, S, ld, ld, k.mean[i], k.scale[i],
+                                   k.shift[c]);
       }
     });
     return;
@@ -649,21 +474,16 @@ void forward_loops(const Prepared& p, const Coefficients<A>& k, Tensor& y) {
   const int64_t grain = std::max<int64_t>(1, kElemGrain / std::max<int64_t>(W, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     const auto piece = [&](int64_t d, int64_t r, int64_t count) {
-      write_rows(yp + r * W, count, W, W, stream,
-                 [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, scalar_t* to, int64_t ldo) {
-                   const int64_t w = d * W + c0;
-                   affine_rows<scalar_t, A, RELU>(xp + (r + r0) * W + c0, to, nr, nc, W, ldo,
-                                                  mean.data() + w, scale.data() + w,
-                                                  shift.data() + c0);
-                 });
+      affine_rows<scalar_t, A>(xp + r * W, yp + r * W, count, W, W, W, mean.data() + d * W,
+                               scale.data() + d * W, shift.data());
     };
     for_slice_pieces(begin, end, plan.rows_per_slice, W * p.x.element_size(), piece);
   });
 }
 
 Tensor forward_elemt_cpu(const Tensor& x_in, const Tensor& mean, const Tensor& invstd,
-                         const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
-                         bool relu) {
+                         const std::optional<Tensor>& weight,
+                         const std::optional<Tensor>& bias) {
   const Prepared p = prepare(x_in, mean, invstd, weight, bias, "forward_elemt");
   Tensor y = empty_in_layout(p.x.sizes(), p.x.options(), p.layout);
   if (p.x.numel() == 0) return y;
@@ -671,35 +491,29 @@ Tensor forward_elemt_cpu(const Tensor& x_in, const Tensor& mean, const Tensor& i
                                   "forward_elemt_cpu", [&] {
     using A = typename AccOf<scalar_t>::type;
     const auto k = coefficients<A>(p.mean, p.invstd, p.weight, p.bias, p.g.slices, p.g.C);
-    if (relu) {
-      forward_loops<true, scalar_t, A>(p, k, y);
-    } else {
-      forward_loops<false, scalar_t, A>(p, k, y);
-    }
+    forward_loops<scalar_t, A>(p, k, y);
   });
   return y;
 }
 
 // ---------------------------------------------------------------------------------------
-// Backward: sums of dy' and dy' * (x - mean), then dx
+// Backward: sums of dy and dy * (x - mean), then dx
 // ---------------------------------------------------------------------------------------
 
-// One band (nb rows spaced ld apart) of L columns: sums of dy' and dy' * (x - mean) added
-// to sdy and sdyx; dy' = dy masked by y > 0 with RELU, y recomputed as the forward does.
-template <int L, typename T, typename A, bool RELU, bool SHARED>
-__attribute__((always_inline)) inline void grad_sums_band(
-    const T* __restrict__ dy, const T* __restrict__ x, int64_t nb, int64_t ld,
-    const A* __restrict__ mean, const A* __restrict__ scale, const A* __restrict__ shift,
-    A* __restrict__ sdy, A* __restrict__ sdyx) {
+// One band (nb rows spaced ld apart) of L columns: sums of dy and dy * (x - mean) added
+// to sdy and sdyx.
+template <int L, typename T, typename A, bool SHARED>
+__attribute__((always_inline)) inline void grad_sums_band(const T* __restrict__ dy,
+                                                          const T* __restrict__ x, int64_t nb,
+                                                          int64_t ld, const A* __restrict__ mean,
+                                                          A* __restrict__ sdy,
+                                                          A* __restrict__ sdyx) {
   using V = typename Lanes<A, L>::type;
   const V mu = SHARED ? V{} + mean[0] : load_lanes<L, A, A>(mean);
-  const V sc = SHARED ? V{} + scale[0] : load_lanes<L, A, A>(scale);
-  const V sh = SHARED ? V{} + shift[0] : load_lanes<L, A, A>(shift);
   V a = {}, b = {};
   for (int64_t r = 0; r < nb; ++r) {
     const V xm = load_lanes<L, T, A>(x + r * ld) - mu;
-    V g = load_lanes<L, T, A>(dy + r * ld);
-    if (RELU) g = xm * sc + sh > V{} ? g : V{};
+    const V g = load_lanes<L, T, A>(dy + r * ld);
     a += g;
     b += g * xm;
   }
@@ -709,50 +523,48 @@ __attribute__((always_inline)) inline void grad_sums_band(
   std::memcpy(sdyx, &new_b, sizeof(V));
 }
 
-// Column-wise sums of dy' and dy' * (x - mean) over `rows` rows of W values spaced `ld`
-// apart, added to sdy and sdyx; coefficients per column (SHARED: element 0 for all).
-template <typename T, typename A, bool RELU, bool SHARED = false>
+// Column-wise sums of dy and dy * (x - mean) over `rows` rows of W values spaced `ld`
+// apart, added to sdy and sdyx; a mean per column (SHARED: element 0 for all).
+template <typename T, typename A, bool SHARED = false>
 SYNCBN_CLONES void grad_sums_rows(const T* __restrict__ dy, const T* __restrict__ x, int64_t rows,
                                   int64_t W, int64_t ld, const A* __restrict__ mean,
-                                  const A* __restrict__ scale, const A* __restrict__ shift,
                                   A* __restrict__ sdy, A* __restrict__ sdyx) {
   for (int64_t r0 = 0; r0 < rows; r0 += kSumBand) {
     const int64_t nb = std::min(kSumBand, rows - r0), off = r0 * ld;
     int64_t w = 0;
     for (; w + kLanes <= W; w += kLanes) {
       const int64_t k = SHARED ? 0 : w;
-      grad_sums_band<kLanes, T, A, RELU, SHARED>(dy + off + w, x + off + w, nb, ld, mean + k,
-                                                 scale + k, shift + k, sdy + w, sdyx + w);
+      grad_sums_band<kLanes, T, A, SHARED>(dy + off + w, x + off + w, nb, ld, mean + k, sdy + w,
+                                           sdyx + w);
     }
     for (; w < W; ++w) {
       const int64_t k = SHARED ? 0 : w;
-      grad_sums_band<1, T, A, RELU, SHARED>(dy + off + w, x + off + w, nb, ld, mean + k,
-                                            scale + k, shift + k, sdy + w, sdyx + w);
+      grad_sums_band<1, T, A, SHARED>(dy + off + w, x + off + w, nb, ld, mean + k, sdy + w,
+                                      sdyx + w);
     }
   }
 }
 
 // Gradient sums of one plane task (coefficient row i, channel c; layout as plane_stats),
-// in column blocks of sdy.size(): (sum dy', sum dy' * xhat).
-template <bool RELU, typename T, typename A>
+// in column blocks of sdy.size(): (sum dy, sum dy * xhat).
+template <typename T, typename A>
 std::pair<A, A> plane_grad_sums(const T* dy, const T* x, int64_t n, int64_t S, int64_t ld,
-                                const Coefficients<A>& k, int64_t i, int64_t c,
-                                std::vector<A>& sdy, std::vector<A>& sdyx) {
+                                const Coefficients<A>& k, int64_t i, std::vector<A>& sdy,
+                                std::vector<A>& sdyx) {
   const int64_t block = static_cast<int64_t>(sdy.size());
   A total_dy = 0, total_dyx = 0;
   for (int64_t s0 = 0; s0 < S; s0 += block) {
     const int64_t W = std::min(block, S - s0);
     std::fill_n(sdy.begin(), W, A(0));
     std::fill_n(sdyx.begin(), W, A(0));
-    grad_sums_rows<T, A, RELU, true>(dy + s0, x + s0, n, W, ld, &k.mean[i], &k.scale[i],
-                                     &k.shift[c], sdy.data(), sdyx.data());
+    grad_sums_rows<T, A, true>(dy + s0, x + s0, n, W, ld, &k.mean[i], sdy.data(), sdyx.data());
     total_dy += lane_sum(sdy.data(), W);
     total_dyx += lane_sum(sdyx.data(), W);
   }
   return {total_dy, total_dyx * k.invstd[i]};
 }
 
-template <bool RELU, typename scalar_t, typename A>
+template <typename scalar_t, typename A>
 void backward_reduce_loops(const Prepared& p, const Tensor& dy, const Coefficients<A>& k,
                            A* sum_dy, A* sum_dy_xhat) {
   const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
@@ -766,20 +578,16 @@ void backward_reduce_loops(const Prepared& p, const Tensor& dy, const Coefficien
       for (int64_t i = begin; i < end; ++i) {
         const int64_t off = plane_offset(g, i);
         std::tie(sum_dy[i], sum_dy_xhat[i]) =
-            plane_grad_sums<RELU>(gp + off, xp + off, n, S, C * S, k, i, i % C, sdy, sdyx);
+            plane_grad_sums(gp + off, xp + off, n, S, C * S, k, i, sdy, sdyx);
       }
     });
     return;
   }
   const RowPlan plan = row_plan(g, p.layout, g.slices);
   const int64_t W = plan.W, T = plan.chunks, per = W / C;
-  std::vector<A> mean(g.slices * W), scale(g.slices * W), shift(W);
-  for (int64_t w = 0; w < W; ++w) shift[w] = k.shift[w / per];
+  std::vector<A> mean(g.slices * W);
   for (int64_t d = 0; d < g.slices; ++d) {
-    for (int64_t w = 0; w < W; ++w) {
-      mean[d * W + w] = k.mean[d * C + w / per];
-      scale[d * W + w] = k.scale[d * C + w / per];
-    }
+    for (int64_t w = 0; w < W; ++w) mean[d * W + w] = k.mean[d * C + w / per];
   }
   std::vector<A> psdy(g.slices * T * W, A(0)), psdyx(g.slices * T * W, A(0));
   at::parallel_for(0, g.slices * T, 1, [&](int64_t begin, int64_t end) {
@@ -787,9 +595,8 @@ void backward_reduce_loops(const Prepared& p, const Tensor& dy, const Coefficien
       const int64_t d = task / T, t = task % T;
       const int64_t r0 = plan.first_row(t), r1 = plan.first_row(t + 1);
       const int64_t off = (d * plan.rows_per_slice + r0) * W;
-      grad_sums_rows<scalar_t, A, RELU>(gp + off, xp + off, r1 - r0, W, W, mean.data() + d * W,
-                                        scale.data() + d * W, shift.data(),
-                                        psdy.data() + task * W, psdyx.data() + task * W);
+      grad_sums_rows<scalar_t, A>(gp + off, xp + off, r1 - r0, W, W, mean.data() + d * W,
+                                  psdy.data() + task * W, psdyx.data() + task * W);
     }
   });
   for (int64_t d = 0; d < g.slices; ++d) {
@@ -810,7 +617,7 @@ void backward_reduce_loops(const Prepared& p, const Tensor& dy, const Coefficien
 std::tuple<Tensor, Tensor> backward_reduce_cpu(const Tensor& dy_in, const Tensor& x_in,
                                                const Tensor& mean, const Tensor& invstd,
                                                const std::optional<Tensor>& weight,
-                                               const std::optional<Tensor>& bias, bool relu) {
+                                               const std::optional<Tensor>& bias) {
   TORCH_CHECK(dy_in.sizes() == x_in.sizes() && dy_in.scalar_type() == x_in.scalar_type(),
               "syncbn_lab::backward_reduce: dy must have the shape and dtype of x, got ",
               dy_in.sizes(), " ", dy_in.scalar_type(), " and ", x_in.sizes(), " ",
@@ -826,16 +633,12 @@ std::tuple<Tensor, Tensor> backward_reduce_cpu(const Tensor& dy_in, const Tensor
     const auto k = coefficients<A>(p.mean, p.invstd, p.weight, p.bias, p.g.slices, p.g.C);
     A* s1 = sum_dy.mutable_data_ptr<A>();
     A* s2 = sum_dy_xhat.mutable_data_ptr<A>();
-    if (relu) {
-      backward_reduce_loops<true, scalar_t, A>(p, dy, k, s1, s2);
-    } else {
-      backward_reduce_loops<false, scalar_t, A>(p, dy, k, s1, s2);
-    }
+    backward_reduce_loops<scalar_t, A>(p, dy, k, s1, s2);
   });
   return {sum_dy, sum_dy_xhat};
 }
 
-// dx = scale * dy' - kx * (x - mean) - k0, with kx = scale * invstd * sum_dy_xhat / m and
+// dx = scale * dy - kx * (x - mean) - k0, with kx = scale * invstd * sum_dy_xhat / m and
 // k0 = scale * sum_dy / m: the formula of docs/batchnorm.md regrouped per channel.
 // (kx, k0) of coefficient row i from its global sums over m values (inv_m = 1 / m): the one
 // place the three dx loops take them from, so that they agree bit for bit.
@@ -845,43 +648,40 @@ std::pair<A, A> dx_coefficients(const Coefficients<A>& k, int64_t i, A sum_dy, A
   return {k.scale[i] * k.invstd[i] * sum_dy_xhat * inv_m, k.scale[i] * sum_dy * inv_m};
 }
 
-template <typename T, typename A, bool RELU>
+template <typename T, typename A>
 SYNCBN_CLONES void dx_planes(const T* __restrict__ dy, const T* __restrict__ x,
                              T* __restrict__ dx, int64_t planes, int64_t S, int64_t ld,
-                             int64_t ldo, A mean, A scale, A shift, A kx, A k0) {
+                             int64_t ldo, A mean, A scale, A kx, A k0) {
   for (int64_t p = 0; p < planes; ++p) {
     const T* __restrict__ xr = x + p * ld;
     const T* __restrict__ gr = dy + p * ld;
     T* __restrict__ outr = dx + p * ldo;
     for (int64_t s = 0; s < S; ++s) {
       const A xm = static_cast<A>(xr[s]) - mean;
-      A g = static_cast<A>(gr[s]);
-      if (RELU) g = xm * scale + shift > A(0) ? g : A(0);
+      const A g = static_cast<A>(gr[s]);
       outr[s] = static_cast<T>(g * scale - kx * xm - k0);
     }
   }
 }
 
-template <typename T, typename A, bool RELU>
+template <typename T, typename A>
 SYNCBN_CLONES void dx_rows(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
                            int64_t rows, int64_t W, int64_t ld, int64_t ldo,
                            const A* __restrict__ mean, const A* __restrict__ scale,
-                           const A* __restrict__ shift, const A* __restrict__ kx,
-                           const A* __restrict__ k0) {
+                           const A* __restrict__ kx, const A* __restrict__ k0) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* __restrict__ xr = x + r * ld;
     const T* __restrict__ gr = dy + r * ld;
     T* __restrict__ outr = dx + r * ldo;
     for (int64_t w = 0; w < W; ++w) {
       const A xm = static_cast<A>(xr[w]) - mean[w];
-      A g = static_cast<A>(gr[w]);
-      if (RELU) g = xm * scale[w] + shift[w] > A(0) ? g : A(0);
+      const A g = static_cast<A>(gr[w]);
       outr[w] = static_cast<T>(g * scale[w] - kx[w] * xm - k0[w]);
     }
   }
 }
 
-template <bool RELU, typename scalar_t, typename A>
+template <typename scalar_t, typename A>
 void backward_elemt_loops(const Prepared& p, const Tensor& dy, const Coefficients<A>& k,
                           const std::vector<A>& kx, const std::vector<A>& k0, Tensor& dx) {
   const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
@@ -889,26 +689,19 @@ void backward_elemt_loops(const Prepared& p, const Tensor& dy, const Coefficient
   scalar_t* op = dx.mutable_data_ptr<scalar_t>();
   const Geometry& g = p.g;
   const int64_t C = g.C, S = g.S;
-  const bool stream = streams(dx);
   if (use_planes(g, p.layout)) {
     at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t c = i % C, off = plane_offset(g, i), ld = C * S;
-        write_rows(op + off, g.n, S, ld, stream,
-                   [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, scalar_t* to, int64_t ldo) {
-                     const int64_t o = off + r0 * ld + c0;
-                     dx_planes<scalar_t, A, RELU>(gp + o, xp + o, to, nr, nc, ld, ldo, k.mean[i],
-                                                  k.scale[i], k.shift[c], kx[i], k0[i]);
-                   });
+        const int64_t off = plane_offset(g, i), ld = C * S;
+        dx_planes<scalar_t, A>(gp + off, xp + off, op + off, g.n, S, ld, ld, k.mean[i],
+                               k.scale[i], kx[i], k0[i]);
       }
     });
     return;
   }
   const RowPlan plan = row_plan(g, p.layout, g.slices);
   const int64_t W = plan.W, per = W / C;
-  std::vector<A> mean(g.slices * W), scale(g.slices * W), ekx(g.slices * W), ek0(g.slices * W),
-      shift(W);
-  for (int64_t w = 0; w < W; ++w) shift[w] = k.shift[w / per];
+  std::vector<A> mean(g.slices * W), scale(g.slices * W), ekx(g.slices * W), ek0(g.slices * W);
   for (int64_t d = 0; d < g.slices; ++d) {
     for (int64_t w = 0; w < W; ++w) {
       const int64_t j = d * C + w / per;
@@ -922,13 +715,9 @@ void backward_elemt_loops(const Prepared& p, const Tensor& dy, const Coefficient
   const int64_t grain = std::max<int64_t>(1, kElemGrain / std::max<int64_t>(W, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     const auto piece = [&](int64_t d, int64_t r, int64_t count) {
-      write_rows(op + r * W, count, W, W, stream,
-                 [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, scalar_t* to, int64_t ldo) {
-                   const int64_t o = (r + r0) * W + c0, w = d * W + c0;
-                   dx_rows<scalar_t, A, RELU>(gp + o, xp + o, to, nr, nc, W, ldo, mean.data() + w,
-                                              scale.data() + w, shift.data() + c0,
-                                              ekx.data() + w, ek0.data() + w);
-                 });
+      const int64_t o = r * W, w = d * W;
+      dx_rows<scalar_t, A>(gp + o, xp + o, op + o, count, W, W, W, mean.data() + w,
+                           scale.data() + w, ekx.data() + w, ek0.data() + w);
     };
     for_slice_pieces(begin, end, plan.rows_per_slice, 2 * W * p.x.element_size(), piece);
   });
@@ -937,7 +726,7 @@ void backward_elemt_loops(const Prepared& p, const Tensor& dy, const Coefficient
 Tensor backward_elemt_cpu(const Tensor& dy_in, const Tensor& x_in, const Tensor& mean,
                           const Tensor& invstd, const std::optional<Tensor>& weight,
                           const std::optional<Tensor>& bias, const Tensor& sum_dy,
-                          const Tensor& sum_dy_xhat, const Tensor& count, bool relu) {
+                          const Tensor& sum_dy_xhat, const Tensor& count) {
   TORCH_CHECK(dy_in.sizes() == x_in.sizes() && dy_in.scalar_type() == x_in.scalar_type(),
               "syncbn_lab::backward_elemt: dy must have the shape and dtype of x, got ",
               dy_in.sizes(), " ", dy_in.scalar_type(), " and ", x_in.sizes(), " ",
@@ -969,11 +758,7 @@ Tensor backward_elemt_cpu(const Tensor& dy_in, const Tensor& x_in, const Tensor&
       const A inv_m = total > A(0) ? A(1) / total : A(0);
       std::tie(kx[i], k0[i]) = dx_coefficients(k, i, s1p[i], s2p[i], inv_m);
     }
-    if (relu) {
-      backward_elemt_loops<true, scalar_t, A>(p, dy, k, kx, k0, dx);
-    } else {
-      backward_elemt_loops<false, scalar_t, A>(p, dy, k, kx, k0, dx);
-    }
+    backward_elemt_loops<scalar_t, A>(p, dy, k, kx, k0, dx);
   });
   return dx;
 }
@@ -1079,7 +864,7 @@ struct ForwardStats {
   A shift_of(int64_t c) const { return bias ? bias[c] : A(0); }
 };
 
-template <bool RELU, typename scalar_t, typename A>
+template <typename scalar_t, typename A>
 void fused_forward_rows(const Tensor& x, const Tensor& weight, const Tensor& bias,
                         const Geometry& g, const RowPlan& plan, int64_t width, double eps,
                         Tensor& y, Tensor& mean, Tensor& var, Tensor& invstd) {
@@ -1088,7 +873,6 @@ void fused_forward_rows(const Tensor& x, const Tensor& weight, const Tensor& bia
   const int64_t C = g.C, W = plan.W, per = W / C, rows = plan.rows_per_slice;
   const int64_t blocks = (W + width - 1) / width;
   const ForwardStats<A> out(weight, bias, mean, var, invstd, rows * per, eps);
-  const bool stream = streams(y);
   at::parallel_for(0, g.slices * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> pivots(width), cmean(width), cm2(width), scale(width), shift(width);
     for (int64_t task = begin; task < end; ++task) {
@@ -1109,17 +893,13 @@ void fused_forward_rows(const Tensor& x, const Tensor& weight, const Tensor& bia
         std::fill_n(cmean.begin() + w, per, mu);
         std::fill_n(shift.begin() + w, per, out.shift_of(c));
       }
-      write_rows(yp + off, rows, B, W, stream,
-                 [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, scalar_t* to, int64_t ldo) {
-                   affine_rows<scalar_t, A, RELU>(xp + off + r0 * W + c0, to, nr, nc, W, ldo,
-                                                  cmean.data() + c0, scale.data() + c0,
-                                                  shift.data() + c0);
-                 });
+      affine_rows<scalar_t, A>(xp + off, yp + off, rows, B, W, W, cmean.data(), scale.data(),
+                               shift.data());
     }
   });
 }
 
-template <bool RELU, typename scalar_t, typename A>
+template <typename scalar_t, typename A>
 void fused_backward_rows(const Prepared& p, const Tensor& dy, const Coefficients<A>& k,
                          const RowPlan& plan, int64_t width, bool input_grad, Tensor& dx,
                          A* sum_dy, A* sum_dy_xhat) {
@@ -1129,11 +909,10 @@ void fused_backward_rows(const Prepared& p, const Tensor& dy, const Coefficients
   const int64_t C = p.g.C, W = plan.W, per = W / C, rows = plan.rows_per_slice;
   const int64_t blocks = (W + width - 1) / width;
   const A inv_m = A(1) / A(rows * per);
-  const bool stream = input_grad && streams(dx);
   // A channel's sum over its per columns (1 for channels_last, S for NCHW column blocks).
   const auto channel_sum = [per](const A* v) { return per == 1 ? v[0] : lane_sum(v, per); };
   at::parallel_for(0, p.g.slices * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> mean(width), scale(width), shift(width), sdy(width), sdyx(width);
+    std::vector<A> mean(width), scale(width), sdy(width), sdyx(width);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t d = task / blocks, w0 = (task % blocks) * width;
       const int64_t B = std::min(width, W - w0);
@@ -1142,12 +921,11 @@ void fused_backward_rows(const Prepared& p, const Tensor& dy, const Coefficients
         const int64_t c = (w0 + w) / per;
         mean[w] = k.mean[d * C + c];
         scale[w] = k.scale[d * C + c];
-        shift[w] = k.shift[c];
       }
       std::fill_n(sdy.begin(), B, A(0));
       std::fill_n(sdyx.begin(), B, A(0));
-      grad_sums_rows<scalar_t, A, RELU>(gp + off, xp + off, rows, B, W, mean.data(),
-                                        scale.data(), shift.data(), sdy.data(), sdyx.data());
+      grad_sums_rows<scalar_t, A>(gp + off, xp + off, rows, B, W, mean.data(), sdy.data(),
+                                  sdyx.data());
       for (int64_t w = 0; w < B; w += per) {
         const int64_t i = d * C + (w0 + w) / per;
         sum_dy[i] = channel_sum(sdy.data() + w);
@@ -1160,18 +938,13 @@ void fused_backward_rows(const Prepared& p, const Tensor& dy, const Coefficients
       if (!input_grad) continue;
       const A* kx = sdyx.data();
       const A* k0 = sdy.data();
-      write_rows(op + off, rows, B, W, stream,
-                 [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, scalar_t* to, int64_t ldo) {
-                   const int64_t o = off + r0 * W + c0;
-                   dx_rows<scalar_t, A, RELU>(gp + o, xp + o, to, nr, nc, W, ldo, mean.data() + c0,
-                                              scale.data() + c0, shift.data() + c0, kx + c0,
-                                              k0 + c0);
-                 });
+      dx_rows<scalar_t, A>(gp + off, xp + off, op + off, rows, B, W, W, mean.data(), scale.data(),
+                           kx, k0);
     }
   });
 }
 
-template <bool RELU, typename scalar_t, typename A>
+template <typename scalar_t, typename A>
 void fused_forward_planes(const Tensor& x, const Tensor& weight, const Tensor& bias,
                           const Geometry& g, double eps, Tensor& y, Tensor& mean, Tensor& var,
                           Tensor& invstd) {
@@ -1179,28 +952,22 @@ void fused_forward_planes(const Tensor& x, const Tensor& weight, const Tensor& b
   scalar_t* yp = y.mutable_data_ptr<scalar_t>();
   const int64_t C = g.C, S = g.S, n = g.n;
   const ForwardStats<A> out(weight, bias, mean, var, invstd, n * S, eps);
-  const bool stream = streams(y);
   at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
     const int64_t block = std::min(S, kColumnBlock);
     std::vector<A> cmean(block), cm2(block);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t c = i % C, off = plane_offset(g, i);
-      A mu, m2;  // not a structured binding: the lambda below captures mu (C++17)
-      std::tie(mu, m2) = plane_stats(xp + off, n, S, C * S, cmean, cm2);
+      const auto [mu, m2] = plane_stats(xp + off, n, S, C * S, cmean, cm2);
       const A scale = out.finish(i, c, mu, m2);
-      const A shift = out.shift_of(c);
-      write_rows(yp + off, n, S, C * S, stream,
-                 [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, scalar_t* to, int64_t ldo) {
-                   affine_planes<scalar_t, A, RELU>(xp + off + r0 * C * S + c0, to, nr, nc, C * S,
-                                                    ldo, mu, scale, shift);
-                 });
+      affine_planes<scalar_t, A>(xp + off, yp + off, n, S, C * S, C * S, mu, scale,
+                                 out.shift_of(c));
     }
   });
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train_cpu(
     const Tensor& x_in, const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
-    int64_t devices, int64_t group_size, double eps, bool relu) {
+    int64_t devices, int64_t group_size, double eps) {
   const Geometry g = batch_norm_train_geometry(x_in, devices, group_size);
   const Layout layout = layout_of(x_in);
   const auto [planes, plan, width] = single_pass(g, layout, x_in.element_size(), 1);
@@ -1219,7 +986,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train_cpu(
         ip[i] = A(1) / std::sqrt(vp[i] + static_cast<A>(eps));
       }
     });
-    Tensor y = forward_elemt_cpu(x_in, mean, invstd, weight, bias, relu);
+    Tensor y = forward_elemt_cpu(x_in, mean, invstd, weight, bias);
     return {y, mean, var, invstd};
   }
   const Tensor x = as_layout(x_in, layout);
@@ -1235,21 +1002,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train_cpu(
                                   "batch_norm_train_cpu", [&] {
     using A = typename AccOf<scalar_t>::type;
     if (planes) {
-      if (relu) {
-        fused_forward_planes<true, scalar_t, A>(x, w, b, g, eps, y, mean, var, invstd);
-      } else {
-        fused_forward_planes<false, scalar_t, A>(x, w, b, g, eps, y, mean, var, invstd);
-      }
-    } else if (relu) {
-      fused_forward_rows<true, scalar_t, A>(x, w, b, g, plan, width, eps, y, mean, var, invstd);
+      fused_forward_planes<scalar_t, A>(x, w, b, g, eps, y, mean, var, invstd);
     } else {
-      fused_forward_rows<false, scalar_t, A>(x, w, b, g, plan, width, eps, y, mean, var, invstd);
+      fused_forward_rows<scalar_t, A>(x, w, b, g, plan, width, eps, y, mean, var, invstd);
     }
   });
   return {y, mean, var, invstd};
 }
 
-template <bool RELU, typename scalar_t, typename A>
+template <typename scalar_t, typename A>
 void fused_backward_planes(const Prepared& p, const Tensor& dy, const Coefficients<A>& k,
                            bool input_grad, Tensor& dx, A* sum_dy, A* sum_dy_xhat) {
   const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
@@ -1258,30 +1019,24 @@ void fused_backward_planes(const Prepared& p, const Tensor& dy, const Coefficien
   const Geometry& g = p.g;
   const int64_t C = g.C, S = g.S, n = g.n;
   const A inv_m = A(1) / A(n * S);
-  const bool stream = input_grad && streams(dx);
   at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
     const int64_t block = std::min(S, kColumnBlock);
     std::vector<A> sdy(block), sdyx(block);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t c = i % C, off = plane_offset(g, i);
+      const int64_t off = plane_offset(g, i);
       std::tie(sum_dy[i], sum_dy_xhat[i]) =
-          plane_grad_sums<RELU>(gp + off, xp + off, n, S, C * S, k, i, c, sdy, sdyx);
+          plane_grad_sums(gp + off, xp + off, n, S, C * S, k, i, sdy, sdyx);
       if (!input_grad) continue;
-      A kx, k0;  // not a structured binding: the lambda below captures them (C++17)
-      std::tie(kx, k0) = dx_coefficients(k, i, sum_dy[i], sum_dy_xhat[i], inv_m);
-      write_rows(op + off, n, S, C * S, stream,
-                 [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, scalar_t* to, int64_t ldo) {
-                   const int64_t o = off + r0 * C * S + c0;
-                   dx_planes<scalar_t, A, RELU>(gp + o, xp + o, to, nr, nc, C * S, ldo, k.mean[i],
-                                                k.scale[i], k.shift[c], kx, k0);
-                 });
+      const auto [kx, k0] = dx_coefficients(k, i, sum_dy[i], sum_dy_xhat[i], inv_m);
+      dx_planes<scalar_t, A>(gp + off, xp + off, op + off, n, S, C * S, C * S, k.mean[i],
+                             k.scale[i], kx, k0);
     }
   });
 }
 
 std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward_cpu(
     const Tensor& dy_in, const Tensor& x_in, const std::optional<Tensor>& weight,
-    const std::optional<Tensor>& bias, const Tensor& mean, const Tensor& invstd, bool relu,
+    const std::optional<Tensor>& bias, const Tensor& mean, const Tensor& invstd,
     bool input_grad) {
   TORCH_CHECK(mean.dim() == 2, "syncbn_lab::batch_norm_train_backward: mean must be (G, C)");
   TORCH_CHECK(dy_in.sizes() == x_in.sizes() && dy_in.scalar_type() == x_in.scalar_type(),
@@ -1291,13 +1046,12 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward_cpu(
   const Prepared p = prepare(x_in, mean, invstd, weight, bias, "batch_norm_train_backward");
   const auto [planes, plan, width] = single_pass(p.g, p.layout, x_in.element_size(), 2);
   if ((!planes && width == 0) || x_in.numel() == 0) {
-    auto [sum_dy, sum_dy_xhat] = backward_reduce_cpu(dy_in, x_in, mean, invstd, weight, bias,
-                                                     relu);
+    auto [sum_dy, sum_dy_xhat] = backward_reduce_cpu(dy_in, x_in, mean, invstd, weight, bias);
     Tensor dx = at::empty({0}, x_in.options());
     if (input_grad) {
       const Tensor count = at::scalar_tensor(static_cast<double>(p.g.n * p.g.S), sum_dy.options());
       dx = backward_elemt_cpu(dy_in, x_in, mean, invstd, weight, bias, sum_dy, sum_dy_xhat,
-                              count, relu);
+                              count);
     }
     return with_param_grads(dx, sum_dy, sum_dy_xhat);
   }
@@ -1314,15 +1068,9 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward_cpu(
     A* s1 = sum_dy.mutable_data_ptr<A>();
     A* s2 = sum_dy_xhat.mutable_data_ptr<A>();
     if (planes) {
-      if (relu) {
-        fused_backward_planes<true, scalar_t, A>(p, dy, k, input_grad, dx, s1, s2);
-      } else {
-        fused_backward_planes<false, scalar_t, A>(p, dy, k, input_grad, dx, s1, s2);
-      }
-    } else if (relu) {
-      fused_backward_rows<true, scalar_t, A>(p, dy, k, plan, width, input_grad, dx, s1, s2);
+      fused_backward_planes<scalar_t, A>(p, dy, k, input_grad, dx, s1, s2);
     } else {
-      fused_backward_rows<false, scalar_t, A>(p, dy, k, plan, width, input_grad, dx, s1, s2);
+      fused_backward_rows<scalar_t, A>(p, dy, k, plan, width, input_grad, dx, s1, s2);
     }
   });
   return with_param_grads(dx, sum_dy, sum_dy_xhat);
@@ -1377,7 +1125,6 @@ Tensor update_running_stats_cpu(const std::optional<Tensor>& running_mean,
 
 TORCH_LIBRARY_IMPL(syncbn_lab, CPU, m) {
   m.impl("local_stats", &local_stats_cpu);
-  m.impl("merge_stats", &merge_stats_cpu);
   m.impl("forward_elemt", &forward_elemt_cpu);
   m.impl("backward_reduce", &backward_reduce_cpu);
   m.impl("backward_elemt", &backward_elemt_cpu);

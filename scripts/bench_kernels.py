@@ -14,8 +14,8 @@ Targets: fused <= 1.0x torch_bn, reference >= 3x fused.
 GPU (when a GPU and the CUDA kernels are present), timed with CUDA events: fused (the op plus
 the running-stat update, as above) and module (syncbn_lab's SyncBatchNorm with impl="fused")
 vs cuDNN BatchNorm2d (target <= 1.1x), the effective bandwidth of each kernel (bytes that must
-move / time) against a device copy of the same tensor (target >= 80 % on >= 256 MB), and
-BN+ReLU fused vs BN then ReLU (target >= 1.25x). Also the device operations per step and
+move / time) against a device copy of the same tensor (target >= 80 % on >= 256 MB). Also
+the device operations per step and
 their summed time against the step's (torch.profiler), with module_noguard: the module with
 its precision guard off, the cost of that guard's one host synchronisation per layer, and
 module_emulated8: SyncBN over 8 emulated devices (the primitives around the reference's
@@ -36,7 +36,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 CPU_SHAPES = [(64, 64, 32, 32), (32, 256, 8, 8)]
 GPU_SHAPES = [(64, 64, 32, 32), (32, 256, 8, 8), (128, 64, 56, 56)]
@@ -60,10 +59,10 @@ class Layer:
         self.running_mean = torch.zeros(channels, device=device)
         self.running_var = torch.ones(channels, device=device)
 
-    def fused(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
         from syncbn_lab.nn import ops
 
-        out = ops.batch_norm_train(x, self.weight, self.bias, 1, 1, EPS, relu)
+        out = ops.batch_norm_train(x, self.weight, self.bias, 1, 1, EPS)
         count = x.numel() // x.shape[1]
         with torch.no_grad():
             self.running_mean.lerp_(out.mean[0], 0.1)
@@ -81,9 +80,6 @@ class Layer:
 
     def torch(self, x: torch.Tensor) -> torch.Tensor:
         return self.torch_bn(x)
-
-    def torch_relu(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(self.torch_bn(x))
 
     def formula(self, x: torch.Tensor) -> torch.Tensor:
         var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0, keepdim=True)
@@ -222,8 +218,6 @@ def gpu_runs(shape, dtype, layout: str) -> dict[str, Callable[[], None]]:
         "module": fwd_bwd(layer.module(), x, dy),
         "module_noguard": fwd_bwd(without_precision_guard(layer.module()), x, dy),
         "module_emulated8": fwd_bwd(layer.module(devices=8), x, dy),
-        "cudnn_bn_relu": fwd_bwd(layer.torch_relu, x, dy),
-        "fused_relu": fwd_bwd(lambda t: layer.fused(t, relu=True), x, dy),
     }
 
 
@@ -284,8 +278,7 @@ def gpu_section(rounds: int, records: list[dict]) -> None:
     print(f"\nGPU ({name}), forward+backward, {stat.__name__} ms per call")
     header = (
         f"{'shape':>18} {'dtype':>9} {'layout':>13} {'cudnn_bn':>9} {'fused':>8} "
-        f"{'fused/cudnn':>12} {'module':>8} {'module/cudnn':>13} {'bn+relu':>8} "
-        f"{'fused_relu':>10} {'relu gain':>10}"
+        f"{'fused/cudnn':>12} {'module':>8} {'module/cudnn':>13}"
     )
     print(header)
     print("-" * len(header))
@@ -296,9 +289,7 @@ def gpu_section(rounds: int, records: list[dict]) -> None:
                 print(
                     f"{str(shape):>18} {str(dtype)[6:]:>9} {layout:>13} {ms['cudnn_bn']:9.3f} "
                     f"{ms['fused']:8.3f} {ms['fused'] / ms['cudnn_bn']:11.2f}x "
-                    f"{ms['module']:8.3f} {ms['module'] / ms['cudnn_bn']:12.2f}x "
-                    f"{ms['cudnn_bn_relu']:8.3f} {ms['fused_relu']:10.3f} "
-                    f"{ms['cudnn_bn_relu'] / ms['fused_relu']:9.2f}x"
+                    f"{ms['module']:8.3f} {ms['module'] / ms['cudnn_bn']:12.2f}x"
                 )
                 for impl, value in ms.items():
                     records.append(

@@ -15,19 +15,16 @@ anyway), the same for every row; --system-malloc keeps the defaults.
 
 Rows: torch.nn.BatchNorm2d (world size 1), this repository's SyncBatchNorm with
 impl="reference" and impl="fused" (the C++ kernels of syncbn_lab._C; skipped when not built)
-in one process (world size 1) and on 2 gloo ranks, each rank holding the full shape. In one
-process also "fused_direct_stores": the fused kernels with their streaming stores for
-outputs of 8 MiB and more turned off (SYNCBN_LAB_STREAM_MIN_BYTES, see csrc/syncbn_cpu.cpp),
-which shows what those save. At 2 ranks the per-device BatchNorm of each impl (same math, no
-collective) runs interleaved in the same job, so the difference between the two is the cost
-of synchronising, and their difference from the world-size-1 row is the two processes
-competing for the CPU. Every row is the module path (forward + backward through
-BatchNorm/SyncBatchNorm), not the bare kernels (scripts/bench_kernels.py). The byte table is
-the payload per layer per training step that each rank hands to its collectives: ours is one
-all_reduce of 2C+1 float64 values forward and one of 2C float32 values backward, whatever
-the world size W; torch's SyncBatchNorm (torch/nn/modules/_functions.py) all_gathers
-W*(2C+1) float32 values (mean, invstd, count of every rank) forward and all_reduces 2C
-float32 values backward.
+in one process (world size 1) and on 2 gloo ranks, each rank holding the full shape. At 2
+ranks the per-device BatchNorm of each impl (same math, no collective) runs interleaved in the
+same job, so the difference between the two is the cost of synchronising, and their
+difference from the world-size-1 row is the two processes competing for the CPU. Every row
+is the module path (forward + backward through BatchNorm/SyncBatchNorm), not the bare kernels
+(scripts/bench_kernels.py). The byte table is the payload per layer per training step that
+each rank hands to its collectives: ours is one all_reduce of 2C+1 float64 values forward and
+one of 2C float32 values backward, whatever the world size W; torch's SyncBatchNorm
+(torch/nn/modules/_functions.py) all_gathers W*(2C+1) float32 values (mean, invstd, count of
+every rank) forward and all_reduces 2C float32 values backward.
 """
 
 from __future__ import annotations
@@ -53,7 +50,6 @@ REFERENCE = "reference"
 PER_DEVICE = "reference_per_device"  # same math without synchronisation: isolates its cost
 FUSED = "fused"
 FUSED_PER_DEVICE = "fused_per_device"
-FUSED_DIRECT = "fused_direct_stores"  # the fused kernels without streaming stores
 MAX_STEPS = 200  # per sample of a local row
 
 
@@ -109,7 +105,7 @@ def local_records(iters: int, repeats: int, sample_ms: float) -> list[dict]:
     for shape in SHAPES:
         for layout in LAYOUTS:
             x, grad = _inputs(shape, layout)
-            impls = (TORCH, REFERENCE, *_fused_impls(FUSED, FUSED_DIRECT))
+            impls = (TORCH, REFERENCE, *_fused_impls(FUSED))
             layers = {impl: _layer(impl, shape[1]) for impl in impls}
             best = dict.fromkeys(layers, float("inf"))
             # Warm-up, which also sizes each measurement to >= sample_ms (small shapes take
@@ -118,8 +114,7 @@ def local_records(iters: int, repeats: int, sample_ms: float) -> list[dict]:
             steps = max(iters, min(MAX_STEPS, math.ceil(sample_ms / warm_ms)))
             for _ in range(repeats):
                 for impl, layer in layers.items():
-                    with ops.streaming_stores(impl != FUSED_DIRECT):
-                        best[impl] = min(best[impl], _time_ms(layer, x, grad, steps))
+                    best[impl] = min(best[impl], _time_ms(layer, x, grad, steps))
             records += [_record(impl, shape, layout, 1, ms) for impl, ms in best.items()]
     return records
 

@@ -7,15 +7,7 @@ prints both figures and the ratio (target: >= 0.9).
 Part 2 (--full): the default `make train` job (resnet8, MNIST, 1 epoch) as a subprocess;
 prints wall time and test accuracy (targets: <= 240 s, >= 99.0 %).
 
-Part 3 (--streaming-stores): what the fused CPU kernels' streaming stores (outputs of 8 MiB
-and more, csrc/syncbn_cpu.cpp) do to whole training steps, where the next layer reads the
-output at once: resnet20 steps on CIFAR-shaped random batches of 128 and 256 (the first stage's
-activations are 8 and 16 MiB), NCHW and channels_last, with the stores on and off
-(SYNCBN_LAB_STREAM_MIN_BYTES) alternating in one process; prints the best and the median
-step time of each and their ratios (< 1: the stores help).
-
-    python scripts/bench_train.py [--steps 100] [--rounds 3] [--full] [--streaming-stores]
-                                  [--json FILE]
+    python scripts/bench_train.py [--steps 100] [--rounds 3] [--full] [--json FILE]
 """
 
 from __future__ import annotations
@@ -76,69 +68,11 @@ def hand_written_images_per_s(steps: int, overrides: list[str]) -> float:
     return steps * batch / (time.perf_counter() - start)
 
 
-def streaming_store_steps(batch: int, layout: str, rounds: int, steps: int = 4) -> dict:
-    """Step times (ms) of resnet20 with SyncBatchNorm(impl="fused"), streaming stores on
-    (the threshold in effect: 8 MiB unless SYNCBN_LAB_STREAM_MIN_BYTES says otherwise) and
-    off, alternating rounds of ``steps`` steps."""
-    from syncbn_lab.models.resnet import CifarResNet
-    from syncbn_lab.nn import SyncBatchNorm, ops
-
-    torch.manual_seed(0)
-    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-    model = CifarResNet(20, 10, lambda c: SyncBatchNorm(c, impl="fused")).to(memory_format=fmt)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x = torch.randn(batch, 3, 32, 32).contiguous(memory_format=fmt)
-    y = torch.randint(0, 10, (batch,))
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-
-    for _ in range(2):
-        step()
-    times: dict[str, list[float]] = {"on": [], "off": []}
-    for _ in range(rounds):
-        for mode in times:
-            with ops.streaming_stores(mode == "on"):
-                start = time.perf_counter()
-                for _ in range(steps):
-                    step()
-            times[mode].append((time.perf_counter() - start) / steps * 1e3)
-    row = {"batch": batch, "layout": layout}
-    for mode, ms in times.items():
-        row[f"best_ms_{mode}"] = round(min(ms), 2)
-        row[f"median_ms_{mode}"] = round(statistics.median(ms), 2)
-    row["best_ratio"] = round(row["best_ms_on"] / row["best_ms_off"], 3)
-    row["median_ratio"] = round(row["median_ms_on"] / row["median_ms_off"], 3)
-    return row
-
-
-def print_streaming_store_rows(rows: list[dict]) -> None:
-    print("\nresnet20 training step, fused SyncBN, streaming stores on vs off (ms)")
-    print(
-        f"{'batch':>5} {'layout':14} {'best on/off':>15} {'ratio':>6} {'median on/off':>15} "
-        f"{'ratio':>6}"
-    )
-    for r in rows:
-        best = f"{r['best_ms_on']:.1f}/{r['best_ms_off']:.1f}"
-        median = f"{r['median_ms_on']:.1f}/{r['median_ms_off']:.1f}"
-        print(
-            f"{r['batch']:>5} {r['layout']:14} {best:>15} {r['best_ratio']:>6.3f} "
-            f"{median:>15} {r['median_ratio']:>6.3f}"
-        )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--full", action="store_true", help="also time the default make train")
-    parser.add_argument(
-        "--streaming-stores",
-        action="store_true",
-        help="also time resnet20 steps with the kernels' streaming stores on and off",
-    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both loops")
     args = parser.parse_args()
@@ -178,18 +112,6 @@ def main() -> None:
             f"default make train: {wall:.1f} s wall (target <= 240), "
             f"test accuracy {summary['test_acc']:.2f} % (target >= 99.0)"
         )
-    if args.streaming_stores:
-        from syncbn_lab.nn import ops
-
-        if not ops.available(warn=False):
-            sys.exit("--streaming-stores needs the fused kernels: run make build-ext")
-        rows = [
-            streaming_store_steps(batch, layout, rounds=4 * args.rounds)
-            for batch in (128, 256)
-            for layout in ("NCHW", "channels_last")
-        ]
-        result["streaming_stores"] = rows
-        print_streaming_store_rows(rows)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

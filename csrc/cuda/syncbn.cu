@@ -14,8 +14,7 @@
 // Welford runs on x - pivot, the pivot being the first value of the channel in the slice, so
 // the running means stay near zero where float32 resolves the spread (mean 1e4, std 0.1).
 // Elementwise kernels are grid-stride loops with 16-byte vector loads where alignment allows.
-// The affine map uses an explicit fma in both forward and backward, so the ReLU mask
-// recomputed in the backward equals the forward's.
+// The forward's affine map is one explicit fma (rounded once), whatever nvcc contracts.
 // ATen/cuda/CUDAContext.h is avoided on purpose: it includes the cuBLAS/cuSPARSE headers,
 // which a bare CUDA toolkit (nvcc + cudart only) lacks.
 #include <ATen/AccumulateType.h>
@@ -93,7 +92,7 @@ __device__ __forceinline__ double sqrt_rn(double v) { return __dsqrt_rn(v); }
 __device__ __forceinline__ float abs_of(float v) { return fabsf(v); }
 __device__ __forceinline__ double abs_of(double v) { return fabs(v); }
 
-// (x - mean) * scale + shift, rounded once: the forward output and the backward's ReLU mask.
+// (x - mean) * scale + shift, rounded once: the forward output.
 template <typename A>
 __device__ __forceinline__ A affine(A x, A mean, A scale, A shift) {
   return fma_rn(x - mean, scale, shift);
@@ -557,47 +556,6 @@ std::tuple<Tensor, Tensor, Tensor> local_stats_cuda(const Tensor& x_in, int64_t 
   return {count, mean, m2};
 }
 
-std::tuple<Tensor, Tensor, Tensor> merge_stats_cuda(const Tensor& count_in, const Tensor& mean_in,
-                                                    const Tensor& m2_in) {
-  TORCH_CHECK(mean_in.dim() >= 2 && m2_in.sizes() == mean_in.sizes(),
-              "syncbn_lab::merge_stats: mean and m2 must have the same shape (*B, K, C), got ",
-              mean_in.sizes(), " and ", m2_in.sizes());
-  TORCH_CHECK(count_in.sizes() == mean_in.sizes().slice(0, mean_in.dim() - 1),
-              "syncbn_lab::merge_stats: count must have shape (*B, K) = ",
-              mean_in.sizes().slice(0, mean_in.dim() - 1), ", got ", count_in.sizes());
-  TORCH_CHECK(mean_in.scalar_type() == at::kFloat || mean_in.scalar_type() == at::kDouble,
-              "syncbn_lab::merge_stats: expected float32 or float64 statistics, got ",
-              mean_in.scalar_type());
-  TORCH_CHECK(count_in.device() == mean_in.device() && m2_in.device() == mean_in.device(),
-              "syncbn_lab::merge_stats: count, mean and m2 must be on one device, got ",
-              count_in.device(), ", ", mean_in.device(), " and ", m2_in.device());
-  const c10::cuda::CUDAGuard guard(mean_in.device());
-  const int64_t C = mean_in.size(-1), K = mean_in.size(-2);
-  const int64_t B = c10::multiply_integers(mean_in.sizes().slice(0, mean_in.dim() - 2));
-  const auto acc = mean_in.scalar_type();
-  const Tensor count = count_in.to(acc).contiguous();
-  const Tensor mean = mean_in.contiguous();
-  const Tensor m2 = m2_in.to(acc).contiguous();
-  auto out_batch = mean_in.sizes().slice(0, mean_in.dim() - 2).vec();
-  auto stat_shape = out_batch;
-  stat_shape.push_back(C);
-  Tensor mean_out = at::empty(stat_shape, mean_in.options());
-  Tensor m2_out = at::empty(stat_shape, mean_in.options());
-  Tensor count_out = count.sum(-1).to(count_in.scalar_type());  // count's dtype, as on the CPU
-  if (B * C == 0) return {count_out, mean_out, m2_out};
-  AT_DISPATCH_FLOATING_TYPES(acc, "merge_stats_cuda", [&] {
-    const int lanes = merge_lanes(K);
-    merge_kernel<scalar_t, scalar_t>
-        <<<grid_1d(B * C * lanes), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-            count.const_data_ptr<scalar_t>(), K, 1, 0, mean.const_data_ptr<scalar_t>(),
-            m2.const_data_ptr<scalar_t>(), B, K, C, 1, nullptr, 0, 0,
-            mean_out.mutable_data_ptr<scalar_t>(), m2_out.mutable_data_ptr<scalar_t>(),
-            Finalize<scalar_t>{}, lanes);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  return {count_out, mean_out, m2_out};
-}
-
 // ----------------------------------------------------------------------------------------
 // Elementwise kernels
 // ----------------------------------------------------------------------------------------
@@ -666,7 +624,7 @@ __device__ __forceinline__ LaneParams<A, VEC> lane_params(const Params<A>& prm, 
   return lp;
 }
 
-template <typename T, typename A, bool RELU, bool CL, int VEC, typename I>
+template <typename T, typename A, bool CL, int VEC, typename I>
 __global__ void forward_kernel(const T* __restrict__ x, T* __restrict__ y, Params<A> prm, I total,
                                I C, I S, I slice_elems) {
   const I nvec = total / VEC;
@@ -680,15 +638,14 @@ __global__ void forward_kernel(const T* __restrict__ x, T* __restrict__ y, Param
     Vec<T, VEC> out;
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      A r = affine(static_cast<A>(in.v[k]), lp.mean[k], lp.scale[k], lp.shift[k]);
-      if (RELU) r = r < A(0) ? A(0) : r;
-      out.v[k] = static_cast<T>(r);
+      out.v[k] = static_cast<T>(affine(static_cast<A>(in.v[k]), lp.mean[k], lp.scale[k],
+                                       lp.shift[k]));
     }
     reinterpret_cast<Vec<T, VEC>*>(y)[v] = out;
   }
 }
 
-template <typename T, typename A, bool RELU, bool CL, int VEC, typename I>
+template <typename T, typename A, bool CL, int VEC, typename I>
 __global__ void backward_elemt_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                       T* __restrict__ dx, Params<A> prm,
                                       const A* __restrict__ sum_dy,
@@ -714,8 +671,7 @@ __global__ void backward_elemt_kernel(const T* __restrict__ dy, const T* __restr
     for (int k = 0; k < VEC; ++k) {
       const A scale = lp.scale[k], mu = lp.mean[k];
       const A xv = static_cast<A>(xin.v[k]);
-      A gv = static_cast<A>(gin.v[k]);
-      if (RELU) gv = affine(xv, mu, scale, lp.shift[k]) > A(0) ? gv : A(0);
+      const A gv = static_cast<A>(gin.v[k]);
       const A kx = scale * lp.invstd[k] * s2[k] * inv_m;
       const A k0 = scale * s1[k] * inv_m;
       out.v[k] = static_cast<T>(gv * scale - kx * (xv - mu) - k0);
@@ -724,16 +680,15 @@ __global__ void backward_elemt_kernel(const T* __restrict__ dy, const T* __restr
   }
 }
 
-// dy' (dy masked by the ReLU, y recomputed from x) and dy' * (x - mean) of one value.
-template <typename A, bool RELU>
-__device__ __forceinline__ void grad_push(A& sdy, A& sdyx, A xv, A gv, A mu, A scale, A shift) {
-  if (RELU) gv = affine(xv, mu, scale, shift) > A(0) ? gv : A(0);
+// dy and dy * (x - mean) of one value added to the sums.
+template <typename A>
+__device__ __forceinline__ void grad_push(A& sdy, A& sdyx, A xv, A gv, A mu) {
   sdy += gv;
   sdyx += gv * (xv - mu);
 }
 
-// Sums of dy' and dy' * (x - mean) for the planes shape; partials (slices, chunks, C).
-template <typename T, typename A, bool RELU, int VEC>
+// Sums of dy and dy * (x - mean) for the planes shape; partials (slices, chunks, C).
+template <typename T, typename A, int VEC>
 __global__ void grad_sums_planes_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                         Params<A> prm, int64_t n, int64_t C, int64_t S,
                                         A* __restrict__ psdy, A* __restrict__ psdyx) {
@@ -741,7 +696,7 @@ __global__ void grad_sums_planes_kernel(const T* __restrict__ dy, const T* __res
   const int64_t p = blockIdx.x, c = blockIdx.y, d = blockIdx.z;
   const int64_t chunks = gridDim.x;
   const int64_t gc = d * C + c;
-  const A mu = prm.mean[gc], scale = prm.scale(gc, c), shift = prm.shift(c);
+  const A mu = prm.mean[gc];
   A sdy = 0, sdyx = 0;
   const int64_t step = chunks * blockDim.y;
   in_groups<load_group(VEC)>(p * blockDim.y + threadIdx.y, step, n, [&](auto r_c, int64_t i) {
@@ -765,8 +720,7 @@ __global__ void grad_sums_planes_kernel(const T* __restrict__ dy, const T* __res
       for (int u = 0; u < R; ++u) {
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-          grad_push<A, RELU>(sdy, sdyx, static_cast<A>(xin[u].v[k]), static_cast<A>(gin[u].v[k]),
-                             mu, scale, shift);
+          grad_push<A>(sdy, sdyx, static_cast<A>(xin[u].v[k]), static_cast<A>(gin[u].v[k]), mu);
         }
       }
     }
@@ -780,7 +734,7 @@ __global__ void grad_sums_planes_kernel(const T* __restrict__ dy, const T* __res
 }
 
 // Rows shape, VEC columns per thread as in stats_rows_kernel; partials (slices, chunks, W).
-template <typename T, typename A, bool RELU, int VEC>
+template <typename T, typename A, int VEC>
 __global__ void grad_sums_rows_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                       Params<A> prm, int64_t rows, int64_t W, int64_t C,
                                       A* __restrict__ psdy, A* __restrict__ psdyx) {
@@ -793,22 +747,16 @@ __global__ void grad_sums_rows_kernel(const T* __restrict__ dy, const T* __restr
   for (int k = 0; k < VEC; ++k) sdy[k] = sdyx[k] = A(0);
   if (wv < WV) {
     const int64_t per = W / C;
-    A mu[VEC], scale[VEC], shift[VEC];
+    A mu[VEC];
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      const int64_t c = (wv * VEC + k) / per;
-      mu[k] = prm.mean[d * C + c];
-      scale[k] = prm.scale(d * C + c, c);
-      shift[k] = prm.shift(c);
-    }
+    for (int k = 0; k < VEC; ++k) mu[k] = prm.mean[d * C + (wv * VEC + k) / per];
     const auto* __restrict__ xs = reinterpret_cast<const Vec<T, VEC>*>(x + d * rows * W) + wv;
     const auto* __restrict__ gs = reinterpret_cast<const Vec<T, VEC>*>(dy + d * rows * W) + wv;
     for (int64_t r = p * blockDim.y + threadIdx.y; r < rows; r += chunks * blockDim.y) {
       const Vec<T, VEC> xin = xs[r * WV], gin = gs[r * WV];
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        grad_push<A, RELU>(sdy[k], sdyx[k], static_cast<A>(xin.v[k]), static_cast<A>(gin.v[k]),
-                           mu[k], scale[k], shift[k]);
+        grad_push<A>(sdy[k], sdyx[k], static_cast<A>(xin.v[k]), static_cast<A>(gin.v[k]), mu[k]);
       }
     }
   }
@@ -878,32 +826,25 @@ int vector_width(const Prepared& p, std::initializer_list<const void*> ptrs,
   return vec;
 }
 
-// Calls f(std::integral_constant<bool, RELU>, ..CL, ..VEC, index type) for the runtime choices.
+// Calls f(std::integral_constant<bool, CL>, ..VEC, index type) for the runtime choices.
 template <int VEC, typename F>
-void with_layout_and_index(bool relu, bool cl, bool small, F&& f) {
-  auto pick_index = [&](auto relu_c, auto cl_c) {
+void with_layout_and_index(bool cl, bool small, F&& f) {
+  auto pick_index = [&](auto cl_c) {
     if (small) {
-      f(relu_c, cl_c, std::integral_constant<int, VEC>{}, int32_t{0});
+      f(cl_c, std::integral_constant<int, VEC>{}, int32_t{0});
     } else {
-      f(relu_c, cl_c, std::integral_constant<int, VEC>{}, int64_t{0});
+      f(cl_c, std::integral_constant<int, VEC>{}, int64_t{0});
     }
   };
-  auto pick_cl = [&](auto relu_c) {
-    if (cl) {
-      pick_index(relu_c, std::true_type{});
-    } else {
-      pick_index(relu_c, std::false_type{});
-    }
-  };
-  if (relu) {
-    pick_cl(std::true_type{});
+  if (cl) {
+    pick_index(std::true_type{});
   } else {
-    pick_cl(std::false_type{});
+    pick_index(std::false_type{});
   }
 }
 
 // y of the prepared input, in its layout.
-Tensor launch_forward(const Prepared& p, bool relu) {
+Tensor launch_forward(const Prepared& p) {
   Tensor y = empty_in_layout(p.x.sizes(), p.x.options(), p.layout);
   const int64_t total = p.x.numel();
   if (total == 0) return y;
@@ -920,10 +861,10 @@ Tensor launch_forward(const Prepared& p, bool relu) {
     scalar_t* yp = y.mutable_data_ptr<scalar_t>();
     const int vec = vector_width<scalar_t, A>(p, {xp, yp},
                                               {prm.mean, prm.invstd, prm.weight, prm.bias});
-    auto launch = [&](auto relu_c, auto cl_c, auto vec_c, auto index) {
+    auto launch = [&](auto cl_c, auto vec_c, auto index) {
       using I = decltype(index);
       constexpr int V = decltype(vec_c)::value;
-      forward_kernel<scalar_t, A, decltype(relu_c)::value, decltype(cl_c)::value, V, I>
+      forward_kernel<scalar_t, A, decltype(cl_c)::value, V, I>
           <<<grid_1d(total / V), kThreads, 0, stream>>>(xp, yp, prm, static_cast<I>(total),
                                                         static_cast<I>(p.g.C),
                                                         static_cast<I>(p.g.S),
@@ -931,19 +872,19 @@ Tensor launch_forward(const Prepared& p, bool relu) {
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (vec == kVec) {
-      with_layout_and_index<kVec>(relu, cl, small, launch);
+      with_layout_and_index<kVec>(cl, small, launch);
     } else {
-      with_layout_and_index<1>(relu, cl, small, launch);
+      with_layout_and_index<1>(cl, small, launch);
     }
   });
   return y;
 }
 
 Tensor forward_elemt_cuda(const Tensor& x_in, const Tensor& mean, const Tensor& invstd,
-                          const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
-                          bool relu) {
+                          const std::optional<Tensor>& weight,
+                          const std::optional<Tensor>& bias) {
   const c10::cuda::CUDAGuard guard(x_in.device());
-  return launch_forward(prepare(x_in, mean, invstd, weight, bias, "forward_elemt"), relu);
+  return launch_forward(prepare(x_in, mean, invstd, weight, bias, "forward_elemt"));
 }
 
 // dy has the shape, dtype and device of x; returns it in the layout the kernels run in.
@@ -959,7 +900,7 @@ Tensor checked_dy(const Tensor& dy, const Prepared& p, const Tensor& x_in, const
 // (sum_dy, sum_dy_xhat) of the prepared input, shaped `stat_sizes` ((G, C) or (C,)): the
 // partial reductions and one launch that sums both (every entry written, no fill launches).
 std::tuple<Tensor, Tensor> launch_backward_reduce(const Prepared& p, const Tensor& dy,
-                                                  at::IntArrayRef stat_sizes, bool relu) {
+                                                  at::IntArrayRef stat_sizes) {
   const auto opts = p.x.options().dtype(p.acc);
   if (p.x.numel() == 0) return {at::zeros(stat_sizes, opts), at::zeros(stat_sizes, opts)};
   Tensor sum_dy = at::empty(stat_sizes, opts);
@@ -976,25 +917,17 @@ std::tuple<Tensor, Tensor> launch_backward_reduce(const Prepared& p, const Tenso
     const Params<A> prm = params_of<A>(p);
     const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
     const scalar_t* gp = dy.const_data_ptr<scalar_t>();
-    auto launch = [&](auto relu_c, auto vec_c) {
-      constexpr bool R = decltype(relu_c)::value;
+    with_vec<scalar_t>(plan, [&](auto vec_c) {
       constexpr int V = decltype(vec_c)::value;
       if (plan.planes) {
-        grad_sums_planes_kernel<scalar_t, A, R, V><<<plan.grid, plan.block, 0, stream>>>(
+        grad_sums_planes_kernel<scalar_t, A, V><<<plan.grid, plan.block, 0, stream>>>(
             gp, xp, prm, g.n, g.C, g.S, psdy.mutable_data_ptr<A>(), psdyx.mutable_data_ptr<A>());
       } else {
-        grad_sums_rows_kernel<scalar_t, A, R, V><<<plan.grid, plan.block, 0, stream>>>(
+        grad_sums_rows_kernel<scalar_t, A, V><<<plan.grid, plan.block, 0, stream>>>(
             gp, xp, prm, plan.rows, plan.W, g.C, psdy.mutable_data_ptr<A>(),
             psdyx.mutable_data_ptr<A>());
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    with_vec<scalar_t>(plan, [&](auto vec_c) {
-      if (relu) {
-        launch(std::true_type{}, vec_c);
-      } else {
-        launch(std::false_type{}, vec_c);
-      }
     });
     const int64_t per = plan.W / g.C;
     const int lanes = merge_lanes(plan.chunks * per);
@@ -1009,8 +942,8 @@ std::tuple<Tensor, Tensor> launch_backward_reduce(const Prepared& p, const Tenso
 // dx of the prepared input. The values per statistic row come from `count` (1 or G values,
 // acc dtype, contiguous) or, when it is undefined, are `count_value` for every row.
 Tensor launch_backward_elemt(const Prepared& p, const Tensor& dy, const Tensor& sum_dy,
-                             const Tensor& sum_dy_xhat, const Tensor& count, double count_value,
-                             bool relu) {
+                             const Tensor& sum_dy_xhat, const Tensor& count,
+                             double count_value) {
   Tensor dx = empty_in_layout(p.x.sizes(), p.x.options(), p.layout);
   const int64_t total = p.x.numel();
   if (total == 0) return dx;
@@ -1032,10 +965,10 @@ Tensor launch_backward_elemt(const Prepared& p, const Tensor& dy, const Tensor& 
     const A* s2 = sum_dy_xhat.const_data_ptr<A>();
     const int vec = vector_width<scalar_t, A>(
         p, {xp, gp, op}, {prm.mean, prm.invstd, prm.weight, prm.bias, s1, s2});
-    auto launch = [&](auto relu_c, auto cl_c, auto vec_c, auto index) {
+    auto launch = [&](auto cl_c, auto vec_c, auto index) {
       using I = decltype(index);
       constexpr int V = decltype(vec_c)::value;
-      backward_elemt_kernel<scalar_t, A, decltype(relu_c)::value, decltype(cl_c)::value, V, I>
+      backward_elemt_kernel<scalar_t, A, decltype(cl_c)::value, V, I>
           <<<grid_1d(total / V), kThreads, 0, stream>>>(
               gp, xp, op, prm, s1, s2, mp,
               per_slice_count, static_cast<A>(count_value), static_cast<I>(total),
@@ -1043,9 +976,9 @@ Tensor launch_backward_elemt(const Prepared& p, const Tensor& dy, const Tensor& 
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (vec == kVec) {
-      with_layout_and_index<kVec>(relu, cl, small, launch);
+      with_layout_and_index<kVec>(cl, small, launch);
     } else {
-      with_layout_and_index<1>(relu, cl, small, launch);
+      with_layout_and_index<1>(cl, small, launch);
     }
   });
   return dx;
@@ -1054,17 +987,17 @@ Tensor launch_backward_elemt(const Prepared& p, const Tensor& dy, const Tensor& 
 std::tuple<Tensor, Tensor> backward_reduce_cuda(const Tensor& dy_in, const Tensor& x_in,
                                                 const Tensor& mean, const Tensor& invstd,
                                                 const std::optional<Tensor>& weight,
-                                                const std::optional<Tensor>& bias, bool relu) {
+                                                const std::optional<Tensor>& bias) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   const Prepared p = prepare(x_in, mean, invstd, weight, bias, "backward_reduce");
   const Tensor dy = checked_dy(dy_in, p, x_in, "backward_reduce");
-  return launch_backward_reduce(p, dy, mean.sizes(), relu);
+  return launch_backward_reduce(p, dy, mean.sizes());
 }
 
 Tensor backward_elemt_cuda(const Tensor& dy_in, const Tensor& x_in, const Tensor& mean,
                            const Tensor& invstd, const std::optional<Tensor>& weight,
                            const std::optional<Tensor>& bias, const Tensor& sum_dy,
-                           const Tensor& sum_dy_xhat, const Tensor& count, bool relu) {
+                           const Tensor& sum_dy_xhat, const Tensor& count) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   const Prepared p = prepare(x_in, mean, invstd, weight, bias, "backward_elemt");
   const Tensor dy = checked_dy(dy_in, p, x_in, "backward_elemt");
@@ -1077,7 +1010,7 @@ Tensor backward_elemt_cuda(const Tensor& dy_in, const Tensor& x_in, const Tensor
   if (p.x.numel() == 0) return empty_in_layout(p.x.sizes(), p.x.options(), p.layout);
   return launch_backward_elemt(p, dy, stat_as(sum_dy, x_in, p.acc),
                                stat_as(sum_dy_xhat, x_in, p.acc),
-                               stat_as(count, x_in, p.acc).reshape({-1}), 0.0, relu);
+                               stat_as(count, x_in, p.acc).reshape({-1}), 0.0);
 }
 
 // batch_norm_train in three launches (statistics, merge with var and invstd, elementwise)
@@ -1085,10 +1018,10 @@ Tensor backward_elemt_cuda(const Tensor& dy_in, const Tensor& x_in, const Tensor
 // step is bound by the host's launches. Same checks and outputs as the CPU kernel.
 std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train_cuda(
     const Tensor& x_in, const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
-    int64_t devices, int64_t group_size, double eps, bool relu) {
+    int64_t devices, int64_t group_size, double eps) {
   const Geometry g = batch_norm_train_geometry(x_in, devices, group_size);
   if (x_in.numel() == 0) {
-    return batch_norm_train_composite(x_in, weight, bias, devices, group_size, eps, relu);
+    return batch_norm_train_composite(x_in, weight, bias, devices, group_size, eps);
   }
   const c10::cuda::CUDAGuard guard(x_in.device());
   const auto opts = x_in.options().dtype(acc_dtype(x_in.scalar_type()));
@@ -1100,26 +1033,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_train_cuda(
   // writes.
   const Prepared p = prepare(x_in, mean, invstd, weight, bias, "batch_norm_train");
   launch_stats(p.x, g, p.layout, p.mean, var, p.invstd, eps);
-  return {launch_forward(p, relu), p.mean, var, p.invstd};
+  return {launch_forward(p), p.mean, var, p.invstd};
 }
 
 // batch_norm_train_backward in three launches (partial sums, their merge, dx) where the
 // composite takes seven or more.
 std::tuple<Tensor, Tensor, Tensor> batch_norm_train_backward_cuda(
     const Tensor& dy_in, const Tensor& x_in, const std::optional<Tensor>& weight,
-    const std::optional<Tensor>& bias, const Tensor& mean, const Tensor& invstd, bool relu,
+    const std::optional<Tensor>& bias, const Tensor& mean, const Tensor& invstd,
     bool input_grad) {
   TORCH_CHECK(mean.dim() == 2, "syncbn_lab::batch_norm_train_backward: mean must be (G, C)");
   if (x_in.numel() == 0) {
-    return batch_norm_train_backward_composite(dy_in, x_in, weight, bias, mean, invstd, relu,
+    return batch_norm_train_backward_composite(dy_in, x_in, weight, bias, mean, invstd,
                                                input_grad);
   }
   const c10::cuda::CUDAGuard guard(x_in.device());
   const Prepared p = prepare(x_in, mean, invstd, weight, bias, "batch_norm_train_backward");
   const Tensor dy = checked_dy(dy_in, p, x_in, "batch_norm_train_backward");
-  auto [sum_dy, sum_dy_xhat] = launch_backward_reduce(p, dy, mean.sizes(), relu);
+  auto [sum_dy, sum_dy_xhat] = launch_backward_reduce(p, dy, mean.sizes());
   Tensor dx = input_grad ? launch_backward_elemt(p, dy, sum_dy, sum_dy_xhat, Tensor(),
-                                                 static_cast<double>(p.g.n * p.g.S), relu)
+                                                 static_cast<double>(p.g.n * p.g.S))
                          : at::empty({0}, x_in.options());
   return with_param_grads(dx, sum_dy, sum_dy_xhat);
 }
@@ -1169,7 +1102,6 @@ Tensor update_running_stats_cuda(const std::optional<Tensor>& running_mean,
 
 TORCH_LIBRARY_IMPL(syncbn_lab, CUDA, m) {
   m.impl("local_stats", &local_stats_cuda);
-  m.impl("merge_stats", &merge_stats_cuda);
   m.impl("forward_elemt", &forward_elemt_cuda);
   m.impl("backward_reduce", &backward_reduce_cuda);
   m.impl("backward_elemt", &backward_elemt_cuda);

@@ -16,7 +16,6 @@ def reference_batch_norm(
     bias: Tensor | None,
     groups: int = 1,
     eps: float = 1e-5,
-    relu: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """y, mean (groups, C), biased var (groups, C) of x cut into `groups` slices, in float64."""
     n_total, channels = x.shape[:2]
@@ -28,8 +27,6 @@ def reference_batch_norm(
         y = y * weight.double().view(1, 1, channels, 1)
     if bias is not None:
         y = y + bias.double().view(1, 1, channels, 1)
-    if relu:
-        y = torch.relu(y)
     return y.reshape(x.shape), mean.reshape(groups, channels), var.reshape(groups, channels)
 
 
@@ -40,13 +37,12 @@ def reference_with_grads(
     dy: Tensor,
     groups: int = 1,
     eps: float = 1e-5,
-    relu: bool = False,
 ) -> dict[str, Tensor | None]:
     """Outputs and float64 gradients of sum(y * dy) with respect to x, weight and bias."""
     x64 = x.detach().double().requires_grad_()
     w64 = None if weight is None else weight.detach().double().requires_grad_()
     b64 = None if bias is None else bias.detach().double().requires_grad_()
-    y, mean, var = reference_batch_norm(x64, w64, b64, groups, eps, relu)
+    y, mean, var = reference_batch_norm(x64, w64, b64, groups, eps)
     (y * dy.double()).sum().backward()
     return {
         "y": y.detach(),

@@ -125,46 +125,35 @@ def test_primitives_and_composites_match_the_cpu_kernels(emu, shape, layout, dev
     tol = TOL[torch.float32]
     count, mean, m2 = CPU.local_stats(x, devices)
     assert_same(emu.local_stats(x, devices), (count, mean, m2), tol)
-    assert_same(emu.merge_stats(count, mean, m2), CPU.merge_stats(count, mean, m2), tol)
     invstd = torch.rsqrt(m2 / count[:, None] + 1e-5)
-    for relu in (False, True):
-        args = (x, mean, invstd, w, b, relu)
-        assert_same(emu.forward_elemt(*args), CPU.forward_elemt(*args), tol)
-        sums = CPU.backward_reduce(dy, *args)
-        assert_same(emu.backward_reduce(dy, *args), sums, 10 * tol)
-        for cnt in (count, count[:1] * devices):  # per-slice counts, one shared count
-            full = (dy, x, mean, invstd, w, b, *sums, cnt, relu)
-            assert_same(emu.backward_elemt(*full), CPU.backward_elemt(*full), 10 * tol)
-        for group in {1, devices}:
-            train = (x, w, b, devices, group, 1e-5, relu)
-            out = CPU.batch_norm_train(*train)
-            assert_same(emu.batch_norm_train(*train), out, tol)
-            for input_grad in (True, False):
-                back = (dy, x, w, b, out[1], out[3], relu, input_grad)
-                assert_same(
-                    emu.batch_norm_train_backward(*back),
-                    CPU.batch_norm_train_backward(*back),
-                    10 * tol,
-                )
+    args = (x, mean, invstd, w, b)
+    assert_same(emu.forward_elemt(*args), CPU.forward_elemt(*args), tol)
+    sums = CPU.backward_reduce(dy, *args)
+    assert_same(emu.backward_reduce(dy, *args), sums, 10 * tol)
+    for cnt in (count, count[:1] * devices):  # per-slice counts, one shared count
+        full = (dy, x, mean, invstd, w, b, *sums, cnt)
+        assert_same(emu.backward_elemt(*full), CPU.backward_elemt(*full), 10 * tol)
+    for group in {1, devices}:
+        train = (x, w, b, devices, group, 1e-5)
+        out = CPU.batch_norm_train(*train)
+        assert_same(emu.batch_norm_train(*train), out, tol)
+        for input_grad in (True, False):
+            back = (dy, x, w, b, out[1], out[3], input_grad)
+            assert_same(
+                emu.batch_norm_train_backward(*back), CPU.batch_norm_train_backward(*back), 10 * tol
+            )
 
 
 def test_merges_take_several_rounds_of_lane_groups(emu, monkeypatch):
-    """One SM (EMU_SMS=1: 8 blocks of 256 threads): 256 outputs of 12 or 9 entries need two
-    rounds of 16-lane groups in merge_kernel (statistics, merge_stats) and
-    sum_partials_kernel."""
+    """One SM (EMU_SMS=1: 8 blocks of 256 threads): 256 outputs of 12 entries need two rounds
+    of 16-lane groups in merge_kernel (statistics) and sum_partials_kernel."""
     monkeypatch.setenv("EMU_SMS", "1")
     x, dy, w, b = inputs((4, 128, 3, 4), torch.float32, "contiguous", seed=9)
     count, mean, m2 = CPU.local_stats(x, 2)
     assert_same(emu.local_stats(x, 2), (count, mean, m2), 2e-5)
     invstd = torch.rsqrt(m2 / count[:, None] + 1e-5)
-    args = (dy, x, mean, invstd, w, b, True)
+    args = (dy, x, mean, invstd, w, b)
     assert_same(emu.backward_reduce(*args), CPU.backward_reduce(*args), 2e-4)
-    # 9 ranks' statistics of the 2 slices (rank k shifted by k / 10, rank 4 empty).
-    shift = torch.arange(9.0)[None, :, None] / 10
-    ranks_count = count[:, None].repeat(1, 9)
-    ranks_count[:, 4] = 0
-    ranks = (ranks_count, mean[:, None] + shift, m2[:, None].repeat(1, 9, 1))
-    assert_same(emu.merge_stats(*ranks), CPU.merge_stats(*ranks), 2e-5)
 
 
 @pytest.mark.parametrize("shape", [(8, 8, 6, 6), SHAPES["grouped_rows"]], ids=["4d", "grouped"])
@@ -172,10 +161,10 @@ def test_merges_take_several_rounds_of_lane_groups(emu, monkeypatch):
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_other_dtypes_match_the_cpu_kernels(emu, dtype, layout, shape):
     x, dy, w, b = inputs(shape, dtype, layout, seed=1)  # C = 8: half vectors too
-    train = (x, w, b, 2, 1, 1e-5, True)
+    train = (x, w, b, 2, 1, 1e-5)
     out = CPU.batch_norm_train(*train)
     assert_same(emu.batch_norm_train(*train), out, TOL[dtype])
-    back = (dy, x, w, b, out[1], out[3], True, True)
+    back = (dy, x, w, b, out[1], out[3], True)
     assert_same(
         emu.batch_norm_train_backward(*back), CPU.batch_norm_train_backward(*back), TOL[dtype]
     )
@@ -189,23 +178,23 @@ def test_misaligned_input_takes_single_value_loads(emu, shape):
     storage = torch.empty(x.numel() + 1)
     shifted = storage[1:].view(shape).copy_(x)
     assert shifted.data_ptr() % 16 != 0
-    train = (shifted, w, b, 2, 1, 1e-5, True)
+    train = (shifted, w, b, 2, 1, 1e-5)
     out = CPU.batch_norm_train(*train)
     assert_same(emu.batch_norm_train(*train), out, 2e-5)
-    back = (dy, shifted, w, b, out[1], out[3], True, True)
+    back = (dy, shifted, w, b, out[1], out[3], True)
     assert_same(emu.batch_norm_train_backward(*back), CPU.batch_norm_train_backward(*back), 2e-4)
 
 
 def test_large_offset_and_empty_input(emu):
     x, dy, w, b = inputs((4, 6, 2, 3), torch.float32, "contiguous", seed=2, offset=1e4)
-    train = (x, w, b, 2, 2, 1e-5, False)
+    train = (x, w, b, 2, 2, 1e-5)
     assert_same(emu.batch_norm_train(*train), CPU.batch_norm_train(*train), 2e-5)
     for shape, devices in (((0, 3, 4), 1), ((4, 3, 0), 2)):
         x, dy, w, b = inputs(shape, torch.float32, "contiguous")
-        train = (x, w, b, devices, 1, 1e-5, True)
+        train = (x, w, b, devices, 1, 1e-5)
         out = CPU.batch_norm_train(*train)
         assert_same(emu.batch_norm_train(*train), out, 0)
-        back = (dy, x, w, b, out[1], out[3], True, True)
+        back = (dy, x, w, b, out[1], out[3], True)
         assert_same(emu.batch_norm_train_backward(*back), CPU.batch_norm_train_backward(*back), 0)
 
 
@@ -238,10 +227,10 @@ def test_update_running_stats_is_bitwise_the_cpu_kernel(emu, running_dtype, fact
 def test_bad_arguments_raise_the_cpu_kernels_error(emu):
     x = torch.randn(4, 3, 2)
     cases = [
-        lambda lib: lib.batch_norm_train(x, None, None, 3, 2, 1e-5, False),
-        lambda lib: lib.batch_norm_train(x, torch.ones(4), None, 2, 1, 1e-5, False),
+        lambda lib: lib.batch_norm_train(x, None, None, 3, 2, 1e-5),
+        lambda lib: lib.batch_norm_train(x, torch.ones(4), None, 2, 1, 1e-5),
         lambda lib: lib.batch_norm_train_backward(
-            x[:, :, 0], x, None, None, torch.zeros(1, 3), torch.ones(1, 3), False, True
+            x[:, :, 0], x, None, None, torch.zeros(1, 3), torch.ones(1, 3), True
         ),
         lambda lib: lib.update_running_stats(
             torch.zeros(2), torch.zeros(2), *torch.ones(3, 1, 3), 0.1, 5, 16.0

@@ -45,11 +45,11 @@ def make_cuda_inputs(shape, dtype, layout, seed=0):
     return x, w.float().cuda(), b.float().cuda(), dy
 
 
-def run_cuda(x, w, b, dy, devices, group_size, relu):
+def run_cuda(x, w, b, dy, devices, group_size):
     x = x.detach().clone().requires_grad_()
     w = w.detach().clone().requires_grad_()
     b = b.detach().clone().requires_grad_()
-    out = ops.batch_norm_train(x, w, b, devices, group_size, 1e-5, relu)
+    out = ops.batch_norm_train(x, w, b, devices, group_size, 1e-5)
     out.y.backward(dy)
     assert out.y.is_cuda and out.mean.is_cuda
     return {
@@ -62,13 +62,12 @@ def run_cuda(x, w, b, dy, devices, group_size, relu):
     }
 
 
-@pytest.mark.parametrize("relu", [False, True], ids=["bn", "bn_relu"])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
-def test_cuda_matches_float64_reference(shape, layout, relu):
+def test_cuda_matches_float64_reference(shape, layout):
     x, w, b, dy = make_cuda_inputs(shape, torch.float32, layout)
-    fused = run_cuda(x, w, b, dy, devices=2, group_size=1, relu=relu)
-    ref = reference_with_grads(x.cpu(), w.cpu(), b.cpu(), dy.cpu(), groups=2, relu=relu)
+    fused = run_cuda(x, w, b, dy, devices=2, group_size=1)
+    ref = reference_with_grads(x.cpu(), w.cpu(), b.cpu(), dy.cpu(), groups=2)
     # d(weight), d(bias) are sums over up to 2^17 values: compare them per value.
     count = x.numel() // x.shape[1]
     for name in ("dweight", "dbias"):
@@ -80,8 +79,8 @@ def test_cuda_matches_float64_reference(shape, layout, relu):
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_cuda_dtypes(dtype, layout):
     x, w, b, dy = make_cuda_inputs((32, 16, 8, 8), dtype, layout, seed=1)
-    fused = run_cuda(x, w, b, dy, devices=4, group_size=2, relu=True)
-    ref = reference_with_grads(x.cpu(), w.cpu(), b.cpu(), dy.cpu(), groups=2, relu=True)
+    fused = run_cuda(x, w, b, dy, devices=4, group_size=2)
+    ref = reference_with_grads(x.cpu(), w.cpu(), b.cpu(), dy.cpu(), groups=2)
     for name in ("dweight", "dbias"):
         fused[name], ref[name] = fused[name] / 1024, ref[name] / 1024
     assert fused["y"].dtype == dtype
@@ -91,10 +90,10 @@ def test_cuda_dtypes(dtype, layout):
 @pytest.mark.parametrize("devices,group_size", [(1, 1), (4, 1), (4, 4), (8, 2)])
 def test_cuda_equals_cpu_kernels(devices, group_size):
     x, w, b, dy = make_cuda_inputs((32, 12, 10, 10), torch.float32, "channels_last", seed=2)
-    gpu = run_cuda(x, w, b, dy, devices, group_size, relu=False)
+    gpu = run_cuda(x, w, b, dy, devices, group_size)
     xc = x.cpu().requires_grad_()
     wc, bc = w.cpu().requires_grad_(), b.cpu().requires_grad_()
-    out = ops.batch_norm_train(xc, wc, bc, devices, group_size, 1e-5, False)
+    out = ops.batch_norm_train(xc, wc, bc, devices, group_size, 1e-5)
     out.y.backward(dy.cpu())
     torch.testing.assert_close(gpu["y"], out.y.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(gpu["dx"], xc.grad, atol=1e-5, rtol=1e-5)
@@ -106,35 +105,9 @@ def test_cuda_large_offset_is_stable():
     x64 = 1e4 + 0.1 * torch.randn(64, 4, 16, 16, generator=g, dtype=torch.float64)
     for layout in ("contiguous", "channels_last"):
         x = to_layout(x64.float(), layout).cuda()
-        out = ops.batch_norm_train(x, None, None, 4, 4, 0.0, False)
+        out = ops.batch_norm_train(x, None, None, 4, 4, 0.0)
         ref = x.double().cpu().transpose(0, 1).reshape(4, -1).var(1, unbiased=False)
         torch.testing.assert_close(out.var[0].double().cpu(), ref, rtol=1e-4, atol=0)
-
-
-def test_cuda_merge_stats():
-    g = torch.Generator().manual_seed(3)
-    parts = [torch.randn(k, 5, generator=g, dtype=torch.float64) for k in (7, 0, 3)]
-    zero = torch.zeros(5, dtype=torch.float64)
-    count = torch.tensor([7.0, 0.0, 3.0], dtype=torch.float64)
-    mean = torch.stack([p.mean(0) if len(p) else zero for p in parts])
-    m2 = torch.stack([((p - p.mean(0)) ** 2).sum(0) if len(p) else zero for p in parts])
-    total, merged_mean, merged_m2 = ops.merge_stats(count.cuda(), mean.cuda(), m2.cuda())
-    union = torch.cat(parts)
-    assert total.item() == 10
-    torch.testing.assert_close(merged_mean.cpu(), union.mean(0))
-    torch.testing.assert_close(merged_m2.cpu(), ((union - union.mean(0)) ** 2).sum(0))
-
-
-def test_cuda_merge_stats_keeps_the_count_dtype_and_one_device():
-    count = torch.tensor([[3, 0, 2]], dtype=torch.int32)
-    mean, m2 = torch.randn(1, 3, 4), torch.rand(1, 3, 4)
-    cpu = ops.merge_stats(count, mean, m2)
-    gpu = ops.merge_stats(count.cuda(), mean.cuda(), m2.cuda())
-    assert gpu[0].dtype == cpu[0].dtype == torch.int32
-    for a, b in zip(gpu, cpu, strict=True):
-        torch.testing.assert_close(a.cpu(), b)
-    with pytest.raises(RuntimeError, match="one device"):
-        ops.merge_stats(count, mean.cuda(), m2.cuda())
 
 
 def test_cuda_dy_on_another_device_raises():
@@ -158,14 +131,34 @@ def test_cuda_more_channels_than_a_grid_dimension():
 
 
 def test_cuda_runs_on_the_current_stream():
+    """With the default stream held up by a long sleep kernel, the op on a side stream finishes
+    and its result is read on that stream: launches on the default stream (or a device-wide
+    sync) would still wait behind the sleep, and the read would see no result."""
     x, w, b, dy = make_cuda_inputs((16, 8, 8, 8), torch.float32, "contiguous")
-    expected = ops.batch_norm_train(x, w, b, 1, 1, 1e-5, False).y
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        y = ops.batch_norm_train(x, w, b, 1, 1, 1e-5, False).y
-    torch.cuda.current_stream().wait_stream(stream)
+    lib = torch.ops.syncbn_lab
+
+    def step():
+        out = ops.batch_norm_train(x, w, b, 1, 1, 1e-5)
+        dx = lib.batch_norm_train_backward(dy, x, w, b, out.mean, out.invstd, True)[0]
+        return out, dx
+
+    expected, expected_dx = (t.cpu() for t in (step()[0].y, step()[1]))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # warm the side stream's cached blocks (no cudaMalloc later)
+        for t in (*step()[0], step()[1]):
+            t.fill_(float("nan"))  # what a read of an unwritten reused block would see
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1 << 31)  # on the default stream: about a second on current GPUs
+    with torch.cuda.stream(side):
+        out, dx = step()
+        y, dx = out.y.cpu(), dx.cpu()  # copies on the side stream
+        done = torch.cuda.Event()
+        done.record(side)
+    done.synchronize()
+    assert not torch.cuda.default_stream().query(), "the sleep ended first: make it longer"
+    torch.cuda.synchronize()
     torch.testing.assert_close(y, expected, atol=0, rtol=0)
+    torch.testing.assert_close(dx, expected_dx, atol=0, rtol=0)
 
 
 def test_cuda_opcheck():
@@ -174,18 +167,17 @@ def test_cuda_opcheck():
     lib = torch.ops.syncbn_lab
     count, mean, m2 = lib.local_stats(x, 2)
     invstd = torch.rsqrt(m2 / count[:, None] + 1e-5)
-    sums = lib.backward_reduce(dy, x, mean, invstd, w, b, True)
+    sums = lib.backward_reduce(dy, x, mean, invstd, w, b)
     cases = [
         (lib.local_stats.default, (x, 2)),
-        (lib.merge_stats.default, (count, mean, m2)),
-        (lib.forward_elemt.default, (x, mean, invstd, w, b, True)),
-        (lib.backward_reduce.default, (dy, x, mean, invstd, w, b, True)),
-        (lib.backward_elemt.default, (dy, x, mean, invstd, w, b, *sums, count, True)),
+        (lib.forward_elemt.default, (x, mean, invstd, w, b)),
+        (lib.backward_reduce.default, (dy, x, mean, invstd, w, b)),
+        (lib.backward_elemt.default, (dy, x, mean, invstd, w, b, *sums, count)),
         (
             lib.batch_norm_train.default,
-            (x.clone().requires_grad_(), w.clone().requires_grad_(), b, 2, 2, 1e-5, True),
+            (x.clone().requires_grad_(), w.clone().requires_grad_(), b, 2, 2, 1e-5),
         ),
-        (lib.batch_norm_train_backward.default, (dy, x, w, b, mean, invstd, True, True)),
+        (lib.batch_norm_train_backward.default, (dy, x, w, b, mean, invstd, True)),
         (
             lib.update_running_stats.default,
             (torch.zeros_like(w), torch.ones_like(w), mean, m2, invstd, 0.1, 50, 16.0),
@@ -210,20 +202,20 @@ def test_cuda_64bit_indices():
 
 def test_cuda_backward_without_input_grad_and_empty_input():
     x, w, b, dy = make_cuda_inputs((8, 6, 5, 7), torch.float32, "contiguous", seed=4)
-    out = ops.batch_norm_train(x, w, b, 2, 1, 1e-5, True)
+    out = ops.batch_norm_train(x, w, b, 2, 1, 1e-5)
     lib = torch.ops.syncbn_lab
-    full = lib.batch_norm_train_backward(dy, x, w, b, out.mean, out.invstd, True, True)
-    sums = lib.batch_norm_train_backward(dy, x, w, b, out.mean, out.invstd, True, False)
+    full = lib.batch_norm_train_backward(dy, x, w, b, out.mean, out.invstd, True)
+    sums = lib.batch_norm_train_backward(dy, x, w, b, out.mean, out.invstd, False)
     assert sums[0].numel() == 0
     torch.testing.assert_close(sums[1:], full[1:], atol=0, rtol=0)
     cpu = lib.batch_norm_train_backward(
-        dy.cpu(), x.cpu(), w.cpu(), b.cpu(), out.mean.cpu(), out.invstd.cpu(), True, True
+        dy.cpu(), x.cpu(), w.cpu(), b.cpu(), out.mean.cpu(), out.invstd.cpu(), True
     )
     for a, c in zip(full, cpu, strict=True):
         torch.testing.assert_close(a.cpu(), c, atol=1e-4, rtol=1e-5)
     # An empty batch: zero statistics, empty outputs, zero gradient sums (as on the CPU).
     empty = torch.empty(0, 6, 4, device="cuda", requires_grad=True)
-    res = ops.batch_norm_train(empty, w, b, 1, 1, 1e-5, False)
+    res = ops.batch_norm_train(empty, w, b, 1, 1, 1e-5)
     res.y.sum().backward()
     assert res.y.shape == empty.shape and empty.grad.shape == empty.shape
     assert torch.equal(res.var.cpu(), torch.zeros(1, 6))
@@ -324,14 +316,14 @@ def test_cuda_training_step_launches_six_kernels():
 
     def step():
         xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
-        ops.batch_norm_train(xs, ws, bs, 1, 1, 1e-5, False).y.backward(dy)
+        ops.batch_norm_train(xs, ws, bs, 1, 1, 1e-5).y.backward(dy)
 
     step()
     inputs = [t.detach().clone() for t in (x, w, b)]  # the clones' copies are not counted
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         xs, ws, bs = (t.requires_grad_() for t in inputs)
-        ops.batch_norm_train(xs, ws, bs, 1, 1, 1e-5, False).y.backward(dy)
+        ops.batch_norm_train(xs, ws, bs, 1, 1, 1e-5).y.backward(dy)
         torch.cuda.synchronize()
     kernels = [
         e.name

@@ -13,21 +13,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-class FusedBatchNormReLU(nn.Module):
+class FusedBatchNorm(nn.Module):
     """Minimal module over ops.batch_norm_train (running stats from slice 0, like DDP rank 0)."""
 
-    def __init__(self, channels: int, devices: int, group_size: int, relu: bool):
+    def __init__(self, channels: int, devices: int, group_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.linspace(0.5, 1.5, channels))
         self.bias = nn.Parameter(torch.linspace(-0.2, 0.2, channels))
         self.register_buffer("running_mean", torch.zeros(channels))
         self.register_buffer("running_var", torch.ones(channels))
-        self.devices, self.group_size, self.relu = devices, group_size, relu
+        self.devices, self.group_size = devices, group_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = ops.batch_norm_train(
-            x, self.weight, self.bias, self.devices, self.group_size, 1e-5, self.relu
-        )
+        out = ops.batch_norm_train(x, self.weight, self.bias, self.devices, self.group_size, 1e-5)
         count = x.numel() // x.shape[1] // out.mean.shape[0]
         with torch.no_grad():
             self.running_mean.lerp_(out.mean[0], 0.1)
@@ -39,9 +37,10 @@ def make_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1, bias=False),
-        FusedBatchNormReLU(8, devices=2, group_size=1, relu=True),
+        FusedBatchNorm(8, devices=2, group_size=1),
+        nn.ReLU(),
         nn.Conv2d(8, 8, 3, padding=1, bias=False),
-        FusedBatchNormReLU(8, devices=2, group_size=2, relu=False),
+        FusedBatchNorm(8, devices=2, group_size=2),
     ).to(memory_format=torch.channels_last)
 
 

@@ -63,11 +63,11 @@ def is_channels_last(t):
     return ops._is_channels_last_dense(t) and not t.is_contiguous()
 
 
-def run_fused(x, weight, bias, dy, devices=1, group_size=1, eps=1e-5, relu=False):
+def run_fused(x, weight, bias, dy, devices=1, group_size=1, eps=1e-5):
     x = x.detach().clone().requires_grad_()
     weight = None if weight is None else weight.detach().clone().requires_grad_()
     bias = None if bias is None else bias.detach().clone().requires_grad_()
-    out = ops.batch_norm_train(x, weight, bias, devices, group_size, eps, relu)
+    out = ops.batch_norm_train(x, weight, bias, devices, group_size, eps)
     out.y.backward(dy)
     return {
         "y": out.y.detach(),
@@ -95,13 +95,12 @@ def assert_matches(fused, ref, tol, stats_tol=1e-5):
 # --- outputs and gradients -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("relu", [False, True], ids=["bn", "bn_relu"])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
-def test_matches_float64_reference_fp32(shape, layout, relu):
+def test_matches_float64_reference_fp32(shape, layout):
     x, w, b, dy = make_inputs(shape, torch.float32, layout)
-    fused = run_fused(x, w, b, dy, devices=2, relu=relu)
-    ref = reference_with_grads(x, w, b, dy, groups=2, relu=relu)
+    fused = run_fused(x, w, b, dy, devices=2)
+    ref = reference_with_grads(x, w, b, dy, groups=2)
     assert_matches(fused, ref, TOL[torch.float32])
     if layout == "channels_last" and x.dim() > 2:
         assert is_channels_last(fused["y"]) and is_channels_last(fused["dx"])
@@ -123,7 +122,7 @@ def test_device_slices_and_groups(devices, group_size, layout):
     assert_matches(fused, ref, TOL[torch.float32])
 
 
-@pytest.mark.parametrize("group_size,relu", [(1, False), (2, True)], ids=["bn", "sync_relu"])
+@pytest.mark.parametrize("group_size", [1, 2], ids=["bn", "sync"])
 @pytest.mark.parametrize(
     "shape,layout",
     [
@@ -134,7 +133,7 @@ def test_device_slices_and_groups(devices, group_size, layout):
     ],
     ids=["channels_last", "channels_last_3mb", "small_planes", "short_planes"],
 )
-def test_groups_larger_than_the_single_pass_block(shape, layout, group_size, relu):
+def test_groups_larger_than_the_single_pass_block(shape, layout, group_size):
     """Loop shapes no other test reaches. Groups of more than kBlockBytes (1 MB) run the
     two-pass composite, whose elementwise passes walk each thread's rows in pieces that cross
     slice boundaries, back to front up to 4 MB of input (the forward passes here; the
@@ -142,8 +141,8 @@ def test_groups_larger_than_the_single_pass_block(shape, layout, group_size, rel
     shorter than a page (short_planes) runs as rows in column blocks of whole channels, the
     last one narrower."""
     x, w, b, dy = make_inputs(shape, torch.float32, layout, seed=group_size)
-    fused = run_fused(x, w, b, dy, devices=2, group_size=group_size, relu=relu)
-    ref = reference_with_grads(x, w, b, dy, groups=2 // group_size, relu=relu)
+    fused = run_fused(x, w, b, dy, devices=2, group_size=group_size)
+    ref = reference_with_grads(x, w, b, dy, groups=2 // group_size)
     # dweight and dbias sum m = 10240 or 12800 float32 terms per channel here; their rounding
     # error grows like sqrt(m) (measured up to 9e-5), so they get 1e-5 * sqrt(m / 25).
     m = x.numel() // x.shape[1]
@@ -159,8 +158,8 @@ def test_groups_larger_than_the_single_pass_block(shape, layout, group_size, rel
 @pytest.mark.parametrize("shape", [(8, 3, 6, 6), (8, 3, 2, 3)], ids=["plane", "rows"])
 def test_half_types_accumulate_in_fp32(shape, layout, dtype):
     x, w, b, dy = make_inputs(shape, dtype, layout, seed=3)
-    fused = run_fused(x, w, b, dy, devices=2, relu=True)
-    ref = reference_with_grads(x, w, b, dy, groups=2, relu=True)
+    fused = run_fused(x, w, b, dy, devices=2)
+    ref = reference_with_grads(x, w, b, dy, groups=2)
     assert fused["y"].dtype == dtype and fused["dx"].dtype == dtype
     assert fused["mean"].dtype == torch.float32 and fused["dweight"].dtype == torch.float32
     # Sums of dy * xhat over 144 values: their bound scales with the count.
@@ -169,66 +168,6 @@ def test_half_types_accumulate_in_fp32(shape, layout, dtype):
     ref["dweight"] = ref["dweight"] / 144
     ref["dbias"] = ref["dbias"] / 144
     assert_matches(fused, ref, TOL[dtype])
-
-
-# (shape, layout, devices, group_size): every place an elementwise op writes its output.
-STREAM_CASES = {
-    "planes": ((20, 3, 32, 32), "contiguous", 2, 2),  # planes in pieces of 4 (fp32)
-    "rows_slices": ((6, 3, 2, 3), "channels_last", 3, 1),
-    "rows_two_pass": ((40, 8, 32, 32), "channels_last", 1, 1),
-    "long_planes": ((2, 3, 70, 70), "contiguous", 1, 1),  # S = 4900: planes in pieces
-    "wide_rows": ((4, 20000), "contiguous", 1, 1),  # blocks of >= 5000 columns
-    "wide_rows_two_pass": ((64, 5000), "contiguous", 1, 1),
-    "odd_rows": ((257, 7, 3), "channels_last", 1, 1),  # 28-byte rows: partial lines
-}
-
-
-def run_fused_and_primitives(x, weight, bias, dy, devices, group_size, relu):
-    """run_fused, plus y and dx of the two-pass primitives (forward_elemt, backward_elemt)."""
-    out = run_fused(x, weight, bias, dy, devices, group_size, relu=relu)
-    mean, invstd = out["mean"], out["invstd"]
-    out["y_elemt"] = ops.forward_elemt(x, mean, invstd, weight, bias, relu)
-    sum_dy, sum_dy_xhat = ops.backward_reduce(dy, x, mean, invstd, weight, bias, relu)
-    count = torch.tensor(float(x.numel() // x.shape[1] // mean.shape[0]))
-    out["dx_elemt"] = ops.backward_elemt(
-        dy, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count, relu
-    )
-    return out
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-@pytest.mark.parametrize("relu", [False, True], ids=["bn", "bn_relu"])
-@pytest.mark.parametrize("case", list(STREAM_CASES.values()), ids=list(STREAM_CASES))
-def test_streaming_stores_write_the_same_bits(monkeypatch, case, relu, dtype):
-    """Outputs of at least SYNCBN_LAB_STREAM_MIN_BYTES go through an L1 buffer to memory with
-    streaming stores (csrc/syncbn_cpu.cpp). With the threshold at 0 every output here streams;
-    y, dx and everything else must equal, bit for bit, what the direct stores write, in the
-    single-pass ops and in the two-pass primitives."""
-    shape, layout, devices, group_size = case
-    x, w, b, dy = make_inputs(shape, dtype, layout, seed=5)
-    results = {}
-    for threshold in ("0", str(2**62)):
-        monkeypatch.setenv("SYNCBN_LAB_STREAM_MIN_BYTES", threshold)
-        results[threshold] = run_fused_and_primitives(x, w, b, dy, devices, group_size, relu)
-    streamed, direct = results.values()
-    for name, value in direct.items():
-        assert torch.equal(streamed[name], value), name
-    for name in ("y", "dx", "y_elemt", "dx_elemt"):
-        assert streamed[name].stride() == x.stride(), name
-
-
-def test_streaming_threshold_is_checked(monkeypatch):
-    x, w, b, _ = make_inputs((8, 3, 6, 6))
-    monkeypatch.setenv("SYNCBN_LAB_STREAM_MIN_BYTES", "8MB")
-    with pytest.raises(RuntimeError, match="SYNCBN_LAB_STREAM_MIN_BYTES must be a whole number"):
-        ops.batch_norm_train(x, w, b)
-    # ops.streaming_stores(False) overrides the variable inside its block, then restores it.
-    with ops.streaming_stores(False):
-        ops.batch_norm_train(x, w, b)
-    with ops.streaming_stores(True), pytest.raises(RuntimeError, match="whole number"):
-        ops.batch_norm_train(x, w, b)
-    with pytest.raises(RuntimeError, match="whole number"):
-        ops.batch_norm_train(x, w, b)
 
 
 def test_float64_and_no_affine():
@@ -242,9 +181,9 @@ def test_float64_and_no_affine():
 def test_other_strides_run_on_a_contiguous_copy():
     x, w, b, dy = make_inputs((4, 3, 5, 6), torch.float32, "strided")
     assert not x.is_contiguous() and not ops._is_channels_last_dense(x)
-    fused = run_fused(x, w, b, dy, devices=2, relu=True)
+    fused = run_fused(x, w, b, dy, devices=2)
     assert fused["y"].is_contiguous()
-    assert_matches(fused, reference_with_grads(x, w, b, dy, groups=2, relu=True), 1e-5)
+    assert_matches(fused, reference_with_grads(x, w, b, dy, groups=2), 1e-5)
 
 
 def test_dy_in_another_layout_than_x():
@@ -265,43 +204,13 @@ def test_large_offset_statistics_are_stable():
         torch.testing.assert_close(mean.double(), ref_mean, rtol=1e-6, atol=0)
         torch.testing.assert_close(m2.double(), ref_m2, rtol=1e-4, atol=0)
         for group_size in (1, 2, 4):
-            out = ops.batch_norm_train(to_layout(x, layout), None, None, 4, group_size, 0.0, False)
+            out = ops.batch_norm_train(to_layout(x, layout), None, None, 4, group_size, 0.0)
             _, ref_mean, ref_var = reference_batch_norm(x, None, None, 4 // group_size)
             torch.testing.assert_close(out.mean.double(), ref_mean, rtol=1e-6, atol=0)
             torch.testing.assert_close(out.var.double(), ref_var, rtol=1e-4, atol=0)
 
 
-def test_relu_mask_matches_forward_output():
-    """dx is zero exactly where the fused forward's output is zero."""
-    x, w, b, dy = make_inputs((8, 4, 6, 6), torch.float32, seed=5)
-    out = run_fused(x, w, b, dy, devices=1, relu=True)
-    sum_dy, sum_dy_xhat = ops.backward_reduce(dy, x, out["mean"], out["invstd"], w, b, relu=True)
-    masked = torch.where(out["y"] > 0, dy, torch.zeros_like(dy))
-    plain_sum, _ = ops.backward_reduce(masked, x, out["mean"], out["invstd"], w, b, relu=False)
-    torch.testing.assert_close(sum_dy, plain_sum, rtol=0, atol=0)
-    assert (out["y"] == 0).any() and (out["y"] > 0).any()
-
-
 # --- primitives ----------------------------------------------------------------------------------
-
-
-def test_merge_stats_equals_statistics_of_the_union():
-    g = torch.Generator().manual_seed(1)
-    parts = [torch.randn(k, 3, generator=g, dtype=torch.float64) * 3 + 2 for k in (5, 0, 1, 9)]
-    count = torch.tensor([float(p.shape[0]) for p in parts], dtype=torch.float64)
-    mean = torch.stack(
-        [p.mean(0) if len(p) else torch.zeros(3, dtype=torch.float64) for p in parts]
-    )
-    m2 = torch.stack([((p - p.mean(0)) ** 2).sum(0) if len(p) else torch.zeros(3) for p in parts])
-    total, merged_mean, merged_m2 = ops.merge_stats(count, mean, m2.double())
-    union = torch.cat(parts)
-    assert total.shape == () and total.item() == 15
-    torch.testing.assert_close(merged_mean, union.mean(0))
-    torch.testing.assert_close(merged_m2, ((union - union.mean(0)) ** 2).sum(0))
-    # Leading batch dims: two groups of two rows.
-    total2, mean2, _ = ops.merge_stats(count.view(2, 2), mean.view(2, 2, 3), m2.view(2, 2, 3))
-    assert total2.tolist() == [5, 10]
-    torch.testing.assert_close(mean2[1], torch.cat(parts[2:]).mean(0))
 
 
 def test_empty_input_gives_zero_statistics():
@@ -310,32 +219,6 @@ def test_empty_input_gives_zero_statistics():
     assert count.tolist() == [0.0] and mean.abs().sum() == 0 and m2.abs().sum() == 0
     y = ops.forward_elemt(x, mean, torch.ones_like(mean))
     assert y.shape == x.shape
-
-
-def test_reducers_path_equals_the_composite():
-    """fused_batch_norm_train with in-process reducers (what a one-rank DDP would do)."""
-    x, w, b, dy = make_inputs((8, 3, 5, 5), torch.float64, seed=7)
-    w, b = w.double(), b.double()
-
-    def reduce_stats(count, mean, m2):
-        return ops.merge_stats(count, mean, m2)
-
-    def reduce_grads(sum_dy, sum_dy_xhat):
-        return sum_dy, sum_dy_xhat
-
-    xa = x.clone().requires_grad_()
-    wa, ba = w.clone().requires_grad_(), b.clone().requires_grad_()
-    out = ops.fused_batch_norm_train(
-        xa, wa, ba, devices=4, relu=True, reduce_stats=reduce_stats, reduce_grads=reduce_grads
-    )
-    out.y.backward(dy)
-    ref = reference_with_grads(x, w, b, dy, groups=1, relu=True)
-    assert out.count.item() == 200
-    fused = {"y": out.y.detach(), "mean": out.mean[None], "var": out.var[None], "dx": xa.grad}
-    fused |= {"dweight": wa.grad, "dbias": ba.grad}
-    assert_matches(fused, ref, 1e-10, stats_tol=1e-12)
-    with pytest.raises(ValueError, match="both"):
-        ops.fused_batch_norm_train(x, w, b, reduce_stats=reduce_stats)
 
 
 class _NoGradient(torch.autograd.Function):
@@ -351,32 +234,16 @@ class _NoGradient(torch.autograd.Function):
 
 
 def test_y_given_no_gradient_gives_zero_gradients():
-    """Gradients are not materialised as zeros (see the test above): when a later op hands y
-    no gradient, both autograd paths still give zero d(weight), d(bias) and dx, and the
-    reducers' collective still runs (every rank must take part)."""
+    """Gradients of mean, var and invstd are not materialised as zeros (see the last test):
+    when a later op hands y no gradient either, the backward still gives zero d(weight),
+    d(bias) and dx."""
     x, w, b, _ = make_inputs((8, 3, 5, 5), torch.float64, seed=8)
-    w, b = w.double(), b.double()
-    calls = []
-
-    def reduce_grads(sum_dy, sum_dy_xhat):
-        calls.append(sum_dy)
-        return sum_dy, sum_dy_xhat
-
-    runs = [
-        lambda x, w, b: ops.batch_norm_train(x, w, b, 2, 1, 1e-5, True).y,
-        lambda x, w, b: (
-            ops.fused_batch_norm_train(
-                x, w, b, 2, relu=True, reduce_stats=ops.merge_stats, reduce_grads=reduce_grads
-            ).y
-        ),
-    ]
-    for run in runs:
-        xa = x.clone().requires_grad_()
-        wa, ba = w.clone().requires_grad_(), b.clone().requires_grad_()
-        (_NoGradient.apply(run(xa, wa, ba)).sum() + xa.sum()).backward()
-        assert torch.equal(xa.grad, torch.ones_like(x))  # xa.sum()'s gradient alone
-        assert not wa.grad.any() and not ba.grad.any()
-    assert len(calls) == 1 and not calls[0].any()
+    xa = x.clone().requires_grad_()
+    wa, ba = w.double().requires_grad_(), b.double().requires_grad_()
+    y = ops.batch_norm_train(xa, wa, ba, 2, 1, 1e-5).y
+    (_NoGradient.apply(y).sum() + xa.sum()).backward()
+    assert torch.equal(xa.grad, torch.ones_like(x))  # xa.sum()'s gradient alone
+    assert not wa.grad.any() and not ba.grad.any()
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -391,9 +258,9 @@ def test_bad_arguments_raise_one_clear_line():
     with pytest.raises(RuntimeError, match="mean must have shape"):
         ops.forward_elemt(x, torch.zeros(4), torch.ones(4))
     with pytest.raises(RuntimeError, match="group_size must divide devices"):
-        ops.batch_norm_train(x, None, None, 3, 2, 1e-5, False)
+        ops.batch_norm_train(x, None, None, 3, 2, 1e-5)
     with pytest.raises(RuntimeError, match="must be >= 1"):
-        ops.batch_norm_train(x, None, None, 0, 1, 1e-5, False)
+        ops.batch_norm_train(x, None, None, 0, 1, 1e-5)
     with pytest.raises(RuntimeError, match="float32, float64, float16 or bfloat16"):
         ops.local_stats(torch.ones(4, 3, dtype=torch.int64), 1)
 
@@ -401,63 +268,78 @@ def test_bad_arguments_raise_one_clear_line():
 # --- torch.library contracts ---------------------------------------------------------------------
 
 
-def _opcheck_cases():
+def _opcheck_cases() -> dict[str, tuple]:
+    """Every op with the arguments opcheck runs it on, by name."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 3, 5, 5, generator=g, dtype=torch.float64)
     x_cl = x.contiguous(memory_format=torch.channels_last)
     dy = torch.randn(4, 3, 5, 5, generator=g, dtype=torch.float64)
     w = torch.rand(3, generator=g, dtype=torch.float64) + 0.5
     b = torch.randn(3, generator=g, dtype=torch.float64)
-    count, mean, m2 = torch.ops.syncbn_lab.local_stats(x, 2)
-    invstd = torch.rsqrt(m2 / count[:, None] + 1e-5)
-    sums = torch.ops.syncbn_lab.backward_reduce(dy, x, mean, invstd, w, b, True)
     lib = torch.ops.syncbn_lab
-    return [
-        (lib.local_stats.default, (x, 2)),
-        (lib.local_stats.default, (x_cl.float(), 1)),
-        (lib.merge_stats.default, (count, mean, m2)),
-        (lib.forward_elemt.default, (x, mean, invstd, w, b, True)),
-        (lib.forward_elemt.default, (x_cl, mean[0], invstd[0], None, None, False)),
-        (lib.backward_reduce.default, (dy, x, mean, invstd, w, b, True)),
-        (lib.backward_elemt.default, (dy, x, mean, invstd, w, b, *sums, count, True)),
-        # The composite is differentiable: opcheck also checks its autograd registration.
-        (lib.batch_norm_train.default, (grad(x), grad(w), grad(b), 2, 1, 1e-5, True)),
-        (lib.batch_norm_train.default, (grad(x_cl.float()), None, None, 4, 2, 1e-3, False)),
-        (lib.batch_norm_train_backward.default, (dy, x, w, b, mean, invstd, True, True)),
-        (
-            lib.update_running_stats.default,
-            (
-                torch.zeros(3),
-                torch.ones(3),
-                *(t.float() for t in (mean, m2, invstd)),
-                0.1,
-                50,
-                16.0,
-            ),
+    count, mean, m2 = lib.local_stats(x, 2)
+    invstd = torch.rsqrt(m2 / count[:, None] + 1e-5)
+    sums = lib.backward_reduce(dy, x, mean, invstd, w, b)
+    stats32 = tuple(t.float() for t in (mean, m2, invstd))
+    return {
+        "local_stats": (lib.local_stats.default, (x, 2)),
+        "local_stats_channels_last": (lib.local_stats.default, (x_cl.float(), 1)),
+        "forward_elemt": (lib.forward_elemt.default, (x, mean, invstd, w, b)),
+        "forward_elemt_shared_row": (
+            lib.forward_elemt.default,
+            (x_cl, mean[0], invstd[0], None, None),
         ),
-        (lib.update_running_stats.default, (None, None, mean, m2, invstd, 0.0, 50, 0.0)),
-    ]
+        "backward_reduce": (lib.backward_reduce.default, (dy, x, mean, invstd, w, b)),
+        "backward_elemt": (lib.backward_elemt.default, (dy, x, mean, invstd, w, b, *sums, count)),
+        # The composite is differentiable: opcheck also checks its autograd registration.
+        "batch_norm_train": (lib.batch_norm_train.default, (grad(x), grad(w), grad(b), 2, 1, 1e-5)),
+        "batch_norm_train_groups": (
+            lib.batch_norm_train.default,
+            (grad(x_cl.float()), None, None, 4, 2, 1e-3),
+        ),
+        "batch_norm_train_backward": (
+            lib.batch_norm_train_backward.default,
+            (dy, x, w, b, mean, invstd, True),
+        ),
+        "update_running_stats": (
+            lib.update_running_stats.default,
+            (torch.zeros(3), torch.ones(3), *stats32, 0.1, 50, 16.0),
+        ),
+        "update_running_stats_untracked": (
+            lib.update_running_stats.default,
+            (None, None, mean, m2, invstd, 0.0, 50, 0.0),
+        ),
+    }
 
 
 def grad(t):
     return t.detach().clone().requires_grad_()
 
 
-@pytest.mark.parametrize("case", range(12))
+OPCHECK_CASES = _opcheck_cases() if _ext.load() else {}
+
+
+def test_opcheck_covers_every_op():
+    checked = {op.name() for op, _ in OPCHECK_CASES.values()}
+    defined = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("syncbn_lab::")}
+    assert checked == defined
+
+
+@pytest.mark.parametrize("case", list(OPCHECK_CASES), ids=str)
 def test_opcheck(case):
-    op, args = _opcheck_cases()[case]
+    op, args = OPCHECK_CASES[case]
     torch.library.opcheck(op, args)
 
 
-@pytest.mark.parametrize("devices,group_size,relu", [(2, 1, True), (2, 2, False), (1, 1, True)])
-def test_gradcheck_float64(devices, group_size, relu):
+@pytest.mark.parametrize("devices,group_size", [(2, 1), (2, 2), (1, 1)])
+def test_gradcheck_float64(devices, group_size):
     g = torch.Generator().manual_seed(devices)
     x = torch.randn(4, 3, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
     w = (torch.rand(3, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
     b = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
 
     def f(x, w, b):
-        return ops.batch_norm_train(x, w, b, devices, group_size, 1e-5, relu).y
+        return ops.batch_norm_train(x, w, b, devices, group_size, 1e-5).y
 
     assert torch.autograd.gradcheck(f, (x, w, b))
 
@@ -517,7 +399,7 @@ def test_backward_makes_no_zero_gradients_for_the_statistics():
 
     x = torch.randn(8, 4, 3, 3, requires_grad=True)
     w, b = torch.ones(4, requires_grad=True), torch.zeros(4, requires_grad=True)
-    out = ops.batch_norm_train(x, w, b, 2, 1, 1e-5, False)
+    out = ops.batch_norm_train(x, w, b, 2, 1, 1e-5)
     with Recorder() as recorder:
         out.y.backward(torch.randn_like(x))
     assert recorder.ops.count("syncbn_lab.batch_norm_train_backward") == 1

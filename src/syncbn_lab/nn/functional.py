@@ -264,7 +264,7 @@ def _fused_single_op(call: BatchNormCall) -> Tensor:
     running_mean, running_var = call.running_mean, call.running_var
     m = _SliceShape(x, devices).n  # values per slice, each its own group
     _check_count(m, x, devices, call.comm)
-    out = ops.batch_norm_train(x, call.weight, call.bias, devices, 1, call.eps, False)
+    out = ops.batch_norm_train(x, call.weight, call.bias, devices, 1, call.eps)
     track = running_mean is not None and m > 0  # slice 0's statistics, as device 0's buffers
     if torch.compiler.is_compiling():
         # Traced without the guard of _fused_mean_too_coarse (a data-dependent branch would
@@ -467,7 +467,7 @@ class _FusedBatchNormFunction(torch.autograd.Function):
         stats_dtype = slice_mean.dtype  # the kernels' float32 (float64 for float64 input)
         invstd = torch.rsqrt(var + call.eps).to(stats_dtype)
         mean = mean.to(stats_dtype)
-        y = ops.forward_elemt(x, mean, invstd, weight, bias, False)
+        y = ops.forward_elemt(x, mean, invstd, weight, bias)
         ctx.save_for_backward(x, weight, bias, mean, invstd)
         ctx.group_size, ctx.comm, ctx.count = call.group_size, call.comm, m
         return y
@@ -477,7 +477,7 @@ class _FusedBatchNormFunction(torch.autograd.Function):
     def backward(ctx, grad_y: Tensor):
         x, weight, bias, mean, invstd = ctx.saved_tensors
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
-        sum_dy, sum_dy_xhat = ops.backward_reduce(grad_y, x, mean, invstd, weight, bias, False)
+        sum_dy, sum_dy_xhat = ops.backward_reduce(grad_y, x, mean, invstd, weight, bias)
         # d_gamma and d_beta over this process's data only, as in the reference.
         grad_weight = sum_dy_xhat.sum(0).to(weight.dtype) if need_weight else None
         grad_bias = sum_dy.sum(0).to(bias.dtype) if need_bias else None
@@ -486,7 +486,7 @@ class _FusedBatchNormFunction(torch.autograd.Function):
         sum_dy, sum_dy_xhat = _reduce_grad_sums(sum_dy, sum_dy_xhat, ctx.group_size, ctx.comm)
         count = mean.new_full((1,), float(ctx.count))
         grad_x = ops.backward_elemt(
-            grad_y, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count, False
+            grad_y, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count
         )
         return grad_x, grad_weight, grad_bias, None, None, None  # call, slice_mean, slice_m2
 

@@ -6,36 +6,26 @@ G = number of statistic rows ("slices" of the elementwise ops).
 
 Composite, differentiable, compiles with ``torch.compile(fullgraph=True)`` (no communication):
 
-- :func:`batch_norm_train` (x, weight, bias, devices, group_size, eps, relu)
+- :func:`batch_norm_train` (x, weight, bias, devices, group_size, eps)
   -> ``BatchNormOutput(y, mean, var, invstd)``, mean/var/invstd (G, C), G = devices/group_size.
   group_size=1: every slice uses its own statistics (per-device BN under DP/DDP);
   group_size=devices: all slices share them (SyncBN emulated in one process).
   ``var`` is biased; each group holds ``count = N / G * prod(spatial)`` values.
 
-Differentiable with a cross-device reduction done in Python between the primitives (DDP):
-
-- :func:`fused_batch_norm_train` (x, weight, bias, devices, eps, relu, reduce_stats,
-  reduce_grads) -> ``FusedBatchNormOutput(y, mean, var, count)``. ``reduce_stats(count (D,),
-  mean (D, C), m2 (D, C))`` returns the global ``(count, mean, m2)`` (shapes () / (C,)), e.g.
-  through one all_reduce; ``reduce_grads(sum_dy, sum_dy_xhat)`` returns their global sums.
-  Without the callables it is :func:`batch_norm_train`.
-
-``batch_norm_train_backward(dy, x, weight, bias, mean, invstd, relu, input_grad) -> (dx,
-dweight, dbias)`` is its backward in one op (dx empty unless ``input_grad``), and
+``batch_norm_train_backward(dy, x, weight, bias, mean, invstd, input_grad) -> (dx, dweight,
+dbias)`` is its backward in one op (dx empty unless ``input_grad``), and
 :func:`update_running_stats` the bookkeeping of an eager training step after it.
 
-Primitives (not differentiable; the ops behind both):
+Primitives (not differentiable). ``nn.functional`` runs SyncBN across slices or ranks on them,
+with its own reduction (one all_reduce per direction) between them:
 
 - ``local_stats(x, devices) -> (count (D,), mean (D, C), m2 (D, C))``: one-pass Welford.
-- ``merge_stats(count (*B, K), mean (*B, K, C), m2) -> (count (*B), mean (*B, C), m2)``:
-  Chan's count-weighted merge (rows with count 0 are ignored).
-- ``forward_elemt(x, mean, invstd, weight, bias, relu) -> y``: ``(x - mean) * invstd * weight
-  + bias``, then ReLU if asked; mean/invstd (G, C) or (C,).
-- ``backward_reduce(dy, x, mean, invstd, weight, bias, relu) -> (sum_dy, sum_dy_xhat)``,
-  shaped like mean; with ``relu`` dy is masked by y > 0 (y recomputed from x). These are
-  also d(bias) and d(weight) summed over the rows.
-- ``backward_elemt(dy, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count, relu) -> dx``
-  with global sums and count (1 or G values): ``weight * invstd / m * (m dy' - sum_dy - xhat
+- ``forward_elemt(x, mean, invstd, weight, bias) -> y``: ``(x - mean) * invstd * weight +
+  bias``; mean/invstd (G, C) or (C,).
+- ``backward_reduce(dy, x, mean, invstd, weight, bias) -> (sum_dy, sum_dy_xhat)``, shaped like
+  mean. These are also d(bias) and d(weight) summed over the rows.
+- ``backward_elemt(dy, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count) -> dx`` with
+  global sums and count (1 or G values): ``weight * invstd / m * (m dy - sum_dy - xhat
   sum_dy_xhat)``.
 
 Outputs shaped like x (y, dx) keep x's layout when it is contiguous or channels-last
@@ -48,9 +38,6 @@ whether it is (and warns once when not), so callers can fall back to the referen
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -60,23 +47,17 @@ from syncbn_lab.nn import _ext
 
 __all__ = [
     "BatchNormOutput",
-    "FusedBatchNormOutput",
     "available",
     "backward_elemt",
     "backward_reduce",
     "batch_norm_train",
     "forward_elemt",
-    "fused_batch_norm_train",
     "has_cuda_kernels",
     "local_stats",
-    "merge_stats",
     "update_running_stats",
 ]
 
 available = _ext.available
-
-StatsReducer = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
-GradsReducer = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 class BatchNormOutput(NamedTuple):
@@ -84,13 +65,6 @@ class BatchNormOutput(NamedTuple):
     mean: Tensor  # (G, C)
     var: Tensor  # (G, C), biased
     invstd: Tensor  # (G, C)
-
-
-class FusedBatchNormOutput(NamedTuple):
-    y: Tensor
-    mean: Tensor
-    var: Tensor  # biased
-    count: Tensor  # values behind each row of mean
 
 
 def _ops():
@@ -118,21 +92,15 @@ def local_stats(x: Tensor, devices: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     return _ops().local_stats(x, devices)
 
 
-def merge_stats(count: Tensor, mean: Tensor, m2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Merges K rows of statistics (dim -2 of mean) into one, weighted by count."""
-    return _ops().merge_stats(count, mean, m2)
-
-
 def forward_elemt(
     x: Tensor,
     mean: Tensor,
     invstd: Tensor,
     weight: Tensor | None = None,
     bias: Tensor | None = None,
-    relu: bool = False,
 ) -> Tensor:
-    """y = (x - mean) * invstd * weight + bias (then ReLU), statistics per slice row."""
-    return _ops().forward_elemt(x, mean, invstd, weight, bias, relu)
+    """y = (x - mean) * invstd * weight + bias, statistics per slice row."""
+    return _ops().forward_elemt(x, mean, invstd, weight, bias)
 
 
 def backward_reduce(
@@ -142,10 +110,9 @@ def backward_reduce(
     invstd: Tensor,
     weight: Tensor | None = None,
     bias: Tensor | None = None,
-    relu: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """(sum dy', sum dy' * xhat) per statistic row; dy' = dy masked by y > 0 with ``relu``."""
-    return _ops().backward_reduce(dy, x, mean, invstd, weight, bias, relu)
+    """(sum dy, sum dy * xhat) per statistic row."""
+    return _ops().backward_reduce(dy, x, mean, invstd, weight, bias)
 
 
 def backward_elemt(
@@ -158,12 +125,9 @@ def backward_elemt(
     sum_dy: Tensor,
     sum_dy_xhat: Tensor,
     count: Tensor,
-    relu: bool = False,
 ) -> Tensor:
     """dx from the (global) sums and count of the statistic rows."""
-    return _ops().backward_elemt(
-        dy, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count, relu
-    )
+    return _ops().backward_elemt(dy, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,16 +142,13 @@ def batch_norm_train(
     devices: int = 1,
     group_size: int = 1,
     eps: float = 1e-5,
-    relu: bool = False,
 ) -> BatchNormOutput:
-    """Training-mode BatchNorm (+ReLU) of x seen as ``devices`` slices, no communication.
+    """Training-mode BatchNorm of x seen as ``devices`` slices, no communication.
 
     Statistics are shared within consecutive groups of ``group_size`` slices (1: per-device
     BN; ``devices``: SyncBN over all slices). Differentiable in x, weight and bias.
     """
-    return BatchNormOutput(
-        *_ops().batch_norm_train(x, weight, bias, devices, group_size, eps, relu)
-    )
+    return BatchNormOutput(*_ops().batch_norm_train(x, weight, bias, devices, group_size, eps))
 
 
 def update_running_stats(
@@ -209,114 +170,6 @@ def update_running_stats(
         running_mean, running_var, mean, var, invstd, factor, count, mean_limit
     )
     return mean_limit > 0 and bool(too_coarse.item())
-
-
-STREAM_MIN_BYTES_ENV = "SYNCBN_LAB_STREAM_MIN_BYTES"  # read by the CPU kernels at every call
-
-
-@contextlib.contextmanager
-def streaming_stores(enabled: bool = True) -> Iterator[None]:
-    """Within the block the CPU kernels' streaming stores (outputs of 8 MiB and more, or what
-    ``SYNCBN_LAB_STREAM_MIN_BYTES`` sets) stay as they are (``enabled``) or are off, for
-    side-by-side measurements of what they save; the variable is restored afterwards."""
-    if enabled:
-        yield
-        return
-    before = os.environ.get(STREAM_MIN_BYTES_ENV)
-    os.environ[STREAM_MIN_BYTES_ENV] = str(2**62)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[STREAM_MIN_BYTES_ENV]
-        else:
-            os.environ[STREAM_MIN_BYTES_ENV] = before
-
-
-def fused_batch_norm_train(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    devices: int = 1,
-    eps: float = 1e-5,
-    relu: bool = False,
-    reduce_stats: StatsReducer | None = None,
-    reduce_grads: GradsReducer | None = None,
-    group_size: int = 1,
-) -> FusedBatchNormOutput:
-    """Training BatchNorm whose statistics and gradient sums go through the given reducers.
-
-    Without reducers this is :func:`batch_norm_train` (``count`` is then a (G,) tensor). With
-    them (both or neither), the local per-slice statistics are handed to ``reduce_stats`` and
-    the local gradient sums to ``reduce_grads`` -- the one collective per direction of
-    SyncBN -- and ``group_size`` is ignored. d(weight) and d(bias) are the local sums, as DDP
-    expects before it averages gradients.
-    """
-    if (reduce_stats is None) != (reduce_grads is None):
-        raise ValueError("pass both reduce_stats and reduce_grads, or neither")
-    if reduce_stats is None:
-        out = batch_norm_train(x, weight, bias, devices, group_size, eps, relu)
-        groups = devices // group_size
-        count = out.mean.new_full((groups,), _values_per_group(x, groups))
-        return FusedBatchNormOutput(out.y, out.mean, out.var, count)
-    y, mean, var, count = _ReducedBatchNorm.apply(
-        x, weight, bias, devices, eps, relu, reduce_stats, reduce_grads
-    )
-    return FusedBatchNormOutput(y, mean, var, count)
-
-
-def _values_per_group(x: Tensor, groups: int) -> int:
-    values = x.shape[0] // groups
-    for size in x.shape[2:]:
-        values = values * size
-    return values
-
-
-def _variance(m2: Tensor, count: Tensor) -> Tensor:
-    count = count.clamp_min(1)
-    return m2 / (count.unsqueeze(-1) if m2.dim() > count.dim() else count)
-
-
-class _ReducedBatchNorm(torch.autograd.Function):
-    """Fused BN whose cross-device reductions are Python callables (eager DDP path)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, devices, eps, relu, reduce_stats, reduce_grads):
-        ops = _ops()
-        count, mean, m2 = ops.local_stats(x, devices)
-        count, mean, m2 = reduce_stats(count, mean, m2)
-        var = _variance(m2, count)
-        invstd = torch.rsqrt(var + eps)
-        y = ops.forward_elemt(x, mean, invstd, weight, bias, relu)
-        ctx.save_for_backward(x, weight, bias, mean, invstd, count)
-        ctx.relu = relu
-        ctx.reduce_grads = reduce_grads
-        ctx.mark_non_differentiable(mean, var, count)
-        ctx.set_materialize_grads(False)  # no zero-filled gradients for mean, var and count
-        return y, mean, var, count
-
-    @staticmethod
-    def backward(ctx, dy, _dmean, _dvar, _dcount):
-        x, weight, bias, mean, invstd, count = ctx.saved_tensors
-        if dy is None:  # a later op gave y no gradient: zero (the collective still runs)
-            dy = torch.zeros_like(x)
-        ops = torch.ops.syncbn_lab
-        sum_dy, sum_dy_xhat = ops.backward_reduce(dy, x, mean, invstd, weight, bias, ctx.relu)
-        dweight = _rows_sum(sum_dy_xhat, weight) if ctx.needs_input_grad[1] else None
-        dbias = _rows_sum(sum_dy, bias) if ctx.needs_input_grad[2] else None
-        dx = None
-        # Every rank takes part in the collective, whether or not it needs dx.
-        sum_dy, sum_dy_xhat = ctx.reduce_grads(sum_dy, sum_dy_xhat)
-        if ctx.needs_input_grad[0]:
-            dx = ops.backward_elemt(
-                dy, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count, ctx.relu
-            )
-        return dx, dweight, dbias, None, None, None, None, None
-
-
-def _rows_sum(sums: Tensor, param: Tensor) -> Tensor:
-    """Per-channel sum over the statistic rows, in the parameter's dtype."""
-    return (sums.sum(0) if sums.dim() == 2 else sums).to(param.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,36 +242,24 @@ def _register() -> None:
             x.new_empty((devices, x.shape[1]), dtype=acc),
         )
 
-    @torch.library.register_fake(lib + "merge_stats")
-    def _(count, mean, m2):
-        torch._check(mean.dim() >= 2, lambda: "mean must have shape (*B, K, C)")
-        torch._check(m2.shape == mean.shape, lambda: "m2 must have the shape of mean")
-        torch._check(count.shape == mean.shape[:-1], lambda: "count must have shape (*B, K)")
-        stat_shape = (*mean.shape[:-2], mean.shape[-1])
-        return (
-            count.new_empty(count.shape[:-1]),
-            mean.new_empty(stat_shape),
-            mean.new_empty(stat_shape),
-        )
-
     @torch.library.register_fake(lib + "forward_elemt")
-    def _(x, mean, invstd, weight, bias, relu):
+    def _(x, mean, invstd, weight, bias):
         _check_input(x, _stat_rows(x, mean))
         return _empty_like_kernel_output(x)
 
     @torch.library.register_fake(lib + "backward_reduce")
-    def _(dy, x, mean, invstd, weight, bias, relu):
+    def _(dy, x, mean, invstd, weight, bias):
         _check_input(x, _stat_rows(x, mean))
         acc = _acc_dtype(x)
         return mean.new_empty(mean.shape, dtype=acc), mean.new_empty(mean.shape, dtype=acc)
 
     @torch.library.register_fake(lib + "backward_elemt")
-    def _(dy, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count, relu):
+    def _(dy, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count):
         _check_input(x, _stat_rows(x, mean))
         return _empty_like_kernel_output(x)
 
     @torch.library.register_fake(lib + "batch_norm_train")
-    def _(x, weight, bias, devices, group_size, eps, relu):
+    def _(x, weight, bias, devices, group_size, eps):
         torch._check(
             group_size >= 1 and devices % group_size == 0,
             lambda: f"group_size must divide devices, got {group_size} and {devices}",
@@ -434,7 +275,7 @@ def _register() -> None:
         )
 
     @torch.library.register_fake(lib + "batch_norm_train_backward")
-    def _(dy, x, weight, bias, mean, invstd, relu, input_grad):
+    def _(dy, x, weight, bias, mean, invstd, input_grad):
         _check_input(x, _stat_rows(x, mean))
         acc = _acc_dtype(x)
         dx = _empty_like_kernel_output(x) if input_grad else x.new_empty((0,))
