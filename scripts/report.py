@@ -11,6 +11,7 @@ from pathlib import Path
 
 from syncbn_lab.cli import exit_on_user_error
 from syncbn_lab.report import collect_failures, collect_runs, write_report
+from syncbn_lab.report.write import X_AXES
 
 
 def main() -> None:
@@ -24,11 +25,17 @@ def main() -> None:
         default=None,
         help="wall time of the sweep, to state in the report",
     )
+    parser.add_argument(
+        "--x",
+        choices=tuple(X_AXES),
+        default="per_device_batch_size",
+        help="x axis of the test-error plot (a summary.json key; default: %(default)s)",
+    )
     args = parser.parse_args()
     with exit_on_user_error():
         runs = collect_runs(*args.sweep_dirs)
         failures = collect_failures(*args.sweep_dirs)
-        write_report(runs, args.out, args.title, args.wall_time_s, failures)
+        write_report(runs, args.out, args.title, args.wall_time_s, failures, x_axis=args.x)
     missing = f" ({len(failures)} failed, marked missing)" if failures else ""
     print(f"{len(runs)} runs{missing} -> {args.out}/README.md, results.csv, *.png")
 

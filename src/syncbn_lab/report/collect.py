@@ -16,6 +16,7 @@ CSV_COLUMNS = (
     "parallel",
     "devices",
     "per_device_batch_size",
+    "normalization_batch_size",
     "global_batch_size",
     "seed",
     "test_acc",

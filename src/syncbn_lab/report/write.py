@@ -8,12 +8,20 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from syncbn_lab.errors import UserError
 from syncbn_lab.report.collect import CSV_COLUMNS, Failure, Run
 
 # Wu & He, "Group Normalization" (ECCV 2018), Table 3: ResNet-50 on ImageNet, BN computed
 # per GPU, validation error (%) by images per GPU.
 GN_PAPER_BN_ERROR = {32: 23.6, 16: 23.7, 8: 24.8, 4: 27.3, 2: 34.7}
 VARIANT_ORDER = ("bn", "sync", "torch_sync", "gn")
+
+
+X_AXES = {
+    "per_device_batch_size": "images per device (global batch fixed)",
+    "normalization_batch_size": "images per normalisation batch (global batch fixed)",
+}
+"""What the test-error plot can use as its x axis (``--x``): a summary.json key -> its label."""
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -71,19 +79,33 @@ def write_report(
     title: str,
     sweep_wall_time_s: float | None = None,
     failures: list[Failure] = (),
+    *,
+    x_axis: str = "per_device_batch_size",
 ) -> None:
     """results.csv, README.md and the plots of ``runs`` into ``out_dir``; the cells of
     ``failures`` are marked missing, with each failed run's one-line reason."""
+    _check_x_axis(runs, x_axis)  # before anything is written
     out_dir.mkdir(parents=True, exist_ok=True)
     emulated_or_single = [r for r in runs if r["parallel"] != "ddp"]
     ddp = [r for r in runs if r["parallel"] == "ddp"]
     main = emulated_or_single or runs
     _write_csv(runs, out_dir / "results.csv")
-    plots = _plots(main, out_dir)
+    plots = _plots(main, out_dir, x_axis)
     text = _markdown(main, ddp, title, plots, sweep_wall_time_s, list(failures))
     if (out_dir / NOTES).exists():
         text += f"\nMore observations on this run, written by hand: [{NOTES}]({NOTES}).\n"
     (out_dir / "README.md").write_text(text)
+
+
+def _check_x_axis(runs: list[Run], x_axis: str) -> None:
+    if x_axis not in X_AXES:
+        raise UserError(f"unknown x axis {x_axis!r}; choose one of {', '.join(X_AXES)}")
+    lacking = [r for r in runs if not isinstance(r[x_axis], int)]
+    if lacking:
+        raise UserError(
+            f"{len(lacking)} run(s) have no {x_axis} in summary.json (e.g. "
+            f"{lacking[0].run_dir}); rerun them, or plot against --x per_device_batch_size"
+        )
 
 
 def _write_csv(runs: list[Run], path: Path) -> None:
@@ -314,7 +336,7 @@ def _reading(runs, cells, batches) -> list[str]:
     return lines
 
 
-def _plots(runs: list[Run], out_dir: Path) -> list[str]:
+def _plots(runs: list[Run], out_dir: Path, x_axis: str = "per_device_batch_size") -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -328,7 +350,7 @@ def _plots(runs: list[Run], out_dir: Path) -> list[str]:
             m, s = mean_std([r.test_error for r in members])
             ax.axhline(m, color="grey", linestyle=":", label=f"gn (±{s:.2f})")
             continue
-        cells = group(members, "per_device_batch_size")
+        cells = group(members, x_axis)
         xs = sorted(b for (b,) in cells)
         for attr, style in (("test_error", "-o"), ("test_error_precise_bn", "--s")):
             stats_ = [mean_std([getattr(r, attr) for r in cells[(b,)]]) for b in xs]
@@ -348,14 +370,15 @@ def _plots(runs: list[Run], out_dir: Path) -> list[str]:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.invert_xaxis()
-    ax.set_xlabel("images per device (global batch fixed)")
+    ax.set_xlabel(X_AXES[x_axis])
     ax.set_ylabel("test error (%)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "test_error_vs_per_device_batch.png", dpi=120)
+    name = f"test_error_vs_{x_axis.removesuffix('_size')}.png"
+    fig.savefig(out_dir / name, dpi=120)
     plt.close(fig)
-    names.append("test_error_vs_per_device_batch.png")
+    names.append(name)
 
     variants = [v for v in ("bn", "sync") if any(r["bn"] == v for r in runs)]
     if variants and any(r.loss_curve for r in runs):
