@@ -78,7 +78,8 @@ def test_report_tables_csv_and_plots(sweep):
     assert "24.00 ± 5.00" in text
     assert "10.0 minutes" in text
     assert "| bn | 64 | 1 | 3 | +24.10 |" in text  # paired against devices=1, same seeds
-    assert "23.6 % at 32" in text and "34.7 % at 2" in text
+    # per-device BN, errors by images per device: 64 -> (1.0, 0.8, 0.9), 1 -> (20, 25, 30)
+    assert "Per-device BN** test error by images per device: 0.90 % at 64, 25.00 % at 1." in text
     assert "Real DDP against the emulation" in text and "| sync | 64 | 0 | 99.10 | 99.10 |" in text
     assert "| 1.0e-06 | 1.0e-06 |" in text  # final and first-step relative loss gaps
     assert "SyncBN does not depend on the device count** — holds" in text
