@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from pathlib import Path
 
 from syncbn_lab.errors import UserError
@@ -31,8 +32,9 @@ def exit_on_user_error():
 
 
 def precheck(config_dir: str, args: list[str]) -> None:
-    """Compose the config once before Hydra does, so a bad override or an unwritable run
-    dir is reported as one line (Hydra's own reports span several lines)."""
+    """Compose and validate the config once before Hydra does, so a bad override, a bad
+    value or an unwritable run dir is reported as one line (Hydra's own reports span several
+    lines) before Hydra creates the run dir."""
     if any(a.split("=")[0] in _NOT_A_PLAIN_RUN for a in args):
         return
     overrides = [a for a in args if not a.startswith("-")]
@@ -49,7 +51,10 @@ def precheck(config_dir: str, args: list[str]) -> None:
         sys.exit(2)
     finally:
         GlobalHydra.instance().clear()
+    from syncbn_lab.config import validate
     from syncbn_lab.train import check_run_dir
 
-    with exit_on_user_error():
+    with exit_on_user_error(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # run() validates again and warns then, once
+        validate(cfg)
         check_run_dir(run_dir)

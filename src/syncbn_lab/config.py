@@ -6,6 +6,7 @@ any process starts or any file is written.
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from syncbn_lab.errors import ConfigError, warn_one_line
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
 PARALLEL_MODES = ("single", "emulated", "ddp", "dp")
 DIST_BN = ("none", "broadcast", "reduce")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -58,6 +59,8 @@ def validate(cfg: DictConfig) -> DictConfig:
             "bn=torch_sync (torch.nn.SyncBatchNorm) runs only on CUDA; use bn=sync, "
             "this project's SyncBatchNorm, which also runs on CPU"
         )
+    _check_components(cfg)
+    _check_callbacks(t.get("callbacks"))
     if cfg.bn.name == "brn":
         _check_batch_renorm(cfg)
     derived = {"per_device_batch_size": t.global_batch_size // split, "device": device}
@@ -65,6 +68,136 @@ def validate(cfg: DictConfig) -> DictConfig:
     with open_dict(cfg):
         cfg.derived = OmegaConf.create(derived)
     return cfg
+
+
+# Numeric config values and their allowed interval (low, high, low itself allowed), checked
+# where the composed config has the key; None = unbounded.
+_RANGES = {
+    "bn.eps": (0.0, None, False),
+    "bn.momentum": (0.0, 1.0, True),
+    "optim.lr": (0.0, None, True),
+    "optim.momentum": (0.0, None, True),
+    "optim.weight_decay": (0.0, None, True),
+    "optim.eps": (0.0, None, False),
+    "sched.warmup_epochs": (0.0, None, True),
+    "sched.warmup_start_ratio": (0.0, 1.0, True),
+    "sched.min_lr_ratio": (0.0, 1.0, True),
+    "sched.pct_start": (0.0, 1.0, False),
+    "sched.div_factor": (0.0, None, False),
+    "sched.final_div_factor": (0.0, None, False),
+    "sched.gamma": (0.0, None, False),
+}
+_NULLABLE = {"bn.momentum"}  # null = cumulative average
+
+
+def _check_components(cfg: DictConfig) -> None:
+    """Names and values of the data, model, bn, optim and sched groups, which would otherwise
+    fail with a traceback deep inside the run (or after the first epoch)."""
+    from syncbn_lab import models
+    from syncbn_lab.data import DATASET_NAMES
+    from syncbn_lab.engine.optim import OPTIMIZERS, SCHEDULES
+    from syncbn_lab.nn.registry import NAMES as BN_NAMES
+
+    names = {
+        "data": (DATASET_NAMES, cfg.data.get("name")),
+        "model": ((*models.CIFAR_DEPTHS, *models.TORCHVISION_ARCHS), cfg.model.name),
+        "bn": (BN_NAMES, cfg.bn.name),
+        "optim": (OPTIMIZERS, cfg.optim.name),
+        "sched": (SCHEDULES, cfg.sched.name),
+    }
+    for group, (valid, name) in names.items():
+        if name not in valid:
+            raise ConfigError(
+                f"{group}.name={name} is unknown; choose one with {group}=<name>, one of "
+                f"{', '.join(valid)}"
+            )
+    if "width" in cfg.model:
+        _positive(cfg.model.width, "model.width")
+    for key, (low, high, low_allowed) in _RANGES.items():
+        group, field = key.split(".")
+        if field in cfg[group]:
+            nullable = key in _NULLABLE
+            _in_range(cfg[group][field], key, low, high, low_allowed, nullable=nullable)
+    if "betas" in cfg.optim:
+        betas = cfg.optim.betas
+        if not (OmegaConf.is_list(betas) and len(betas) == 2):
+            raise ConfigError(
+                f"optim.betas={betas} must be two numbers, e.g. optim.betas=[0.9,0.999]"
+            )
+        for i, beta in enumerate(betas):
+            _in_range(beta, f"optim.betas[{i}]", 0.0, 1.0, True, high_allowed=False)
+    if "milestones" in cfg.sched:
+        milestones = cfg.sched.milestones
+        if not OmegaConf.is_list(milestones):
+            raise ConfigError(
+                f"sched.milestones={milestones} must be a list of fractions of trainer.epochs, "
+                "e.g. sched.milestones=[0.5,0.75]"
+            )
+        for i, m in enumerate(milestones):
+            _in_range(m, f"sched.milestones[{i}]", 0.0, None, True)
+    bn = cfg.bn
+    if bn.name == "sync":
+        from syncbn_lab.nn.functional import IMPLS
+
+        if bn.get("impl", "auto") not in IMPLS:
+            raise ConfigError(f"bn.impl={bn.impl} is unknown; choose one of {', '.join(IMPLS)}")
+        if bn.get("group_size") is not None:
+            _positive(bn.group_size, "bn.group_size")
+            if cfg.parallel.devices % bn.group_size:
+                raise ConfigError(
+                    f"bn.group_size={bn.group_size} does not divide parallel.devices="
+                    f"{cfg.parallel.devices}; pick a divisor of the device count (or null)"
+                )
+    if bn.name == "gn":
+        _positive(bn.groups, "bn.groups")
+        _check_groups(cfg, bn.groups)
+
+
+def _check_groups(cfg: DictConfig, groups: int) -> None:
+    """bn=gn: bn.groups (capped at a layer's channels) must divide every norm layer's
+    channels; the model is built on the meta device (no memory, no compute) to find them."""
+    from torch import nn
+
+    from syncbn_lab import models
+
+    channels: set[int] = set()
+
+    def record(c: int) -> nn.Module:
+        channels.add(c)
+        return nn.Identity()
+
+    with torch.device("meta"):
+        models.build(cfg.model, record, num_classes=10, in_channels=3)
+    counts = sorted(channels)
+    if any(c % min(groups, c) for c in counts):
+        valid = [g for g in range(1, counts[-1] + 1) if all(c % min(g, c) == 0 for c in counts)]
+        raise ConfigError(
+            f"bn.groups={groups} does not divide the channels of every norm layer of "
+            f"model={cfg.model.name} ({', '.join(map(str, counts))}); choose bn.groups from "
+            f"{', '.join(map(str, valid))}"
+        )
+
+
+def _check_callbacks(nodes) -> None:
+    """trainer.callbacks: a list of Hydra nodes whose ``_target_`` can be imported."""
+    if not nodes:
+        return
+    if not OmegaConf.is_list(nodes):
+        raise ConfigError(
+            f"trainer.callbacks={nodes} must be a list of {{_target_: module.name, ...}} nodes"
+        )
+    for node in nodes:
+        target = str(node.get("_target_")) if OmegaConf.is_dict(node) else str(node)
+        module, _, name = target.rpartition(".")
+        try:
+            found = callable(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError, ValueError):
+            found = False
+        if not found:
+            raise ConfigError(
+                f"trainer.callbacks: cannot import _target_={target}; give each callback a "
+                "_target_ naming an importable callable (module.name)"
+            )
 
 
 def _check_batch_renorm(cfg: DictConfig) -> None:
@@ -204,6 +337,29 @@ def resolve_device(name: str) -> str:
 def _positive(value, key: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{key}={value} must be a positive integer")
+
+
+def _in_range(
+    value,
+    key: str,
+    low: float,
+    high: float | None,
+    low_allowed: bool,
+    high_allowed: bool = True,
+    nullable: bool = False,
+) -> None:
+    if value is None and nullable:
+        return
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if ok:
+        ok = (value > low or (low_allowed and value == low)) and (
+            high is None or value < high or (high_allowed and value == high)
+        )
+    if not ok:
+        upper = "inf)" if high is None else f"{high:g}{']' if high_allowed else ')'}"
+        interval = f"{'[' if low_allowed else '('}{low:g}, {upper}"
+        extra = " or null" if nullable else ""
+        raise ConfigError(f"{key}={value} must be a number in {interval}{extra}")
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"

@@ -12,6 +12,7 @@ import importlib.util
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import sys
 import time
@@ -23,16 +24,56 @@ from typing import Any
 
 __all__ = [
     "DistributedJobError",
+    "Fault",
     "error_ratio",
+    "fault_override",
     "free_port",
     "load_function",
+    "run_difference",
     "run_distributed",
+    "train_cli",
     "torch_batchnorm_class",
 ]
 
 
 class DistributedJobError(RuntimeError):
     """A spawned rank failed, died or timed out."""
+
+
+FAULT_ACTIONS = ("raise", "kill", "hang")
+
+
+class Fault:
+    """A training callback (``trainer.callbacks``) that makes one rank fail after one step:
+    ``raise`` a RuntimeError, ``kill`` itself with SIGKILL, or ``hang`` forever.
+
+    The config carries it to every rank however the run starts (spawned DDP, torchrun,
+    SLURM), so tests of failure handling go through the real CLI; :func:`fault_override`
+    writes the command-line override.
+    """
+
+    def __init__(self, action: str, rank: int, step: int):
+        if action not in FAULT_ACTIONS:
+            raise ValueError(f"Fault action {action!r}; choose one of {', '.join(FAULT_ACTIONS)}")
+        self.action, self.rank, self.step = action, int(rank), int(step)
+
+    def __call__(self, trainer: Any) -> None:
+        if trainer.rt.rank != self.rank or trainer.state.step != self.step:
+            return
+        if self.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while self.action == "hang":
+            time.sleep(1)
+        raise RuntimeError(f"injected fault on rank {self.rank} at step {self.step}")
+
+
+def fault_override(action: str, rank: int, step: int) -> str:
+    """The Hydra override that installs ``Fault(action, rank, step)`` as the only callback."""
+    Fault(action, rank, step)  # refuse a bad action here, not inside the ranks
+    return (
+        f"trainer.callbacks=[{{_target_:{Fault.__module__}.Fault,"
+        f"action:{action},rank:{rank},step:{step}}}]"
+    )
 
 
 def free_port() -> int:
@@ -180,15 +221,103 @@ def torch_batchnorm_class(input_dim: int) -> type:
     return classes[input_dim]
 
 
-def error_ratio(actual: Any, expected: Any, atol: float = 1e-5, rtol: float = 1e-5) -> float:
-    """max |actual - expected| / (atol + rtol * |expected|) in float64; <= 1 means close."""
+def _float64_pair(actual: Any, expected: Any) -> tuple[Any, Any]:
+    """Both as float64 tensors of one shape (AssertionError if the shapes differ)."""
     import torch
 
     actual = torch.as_tensor(actual).detach().double()
     expected = torch.as_tensor(expected).detach().double()
     if actual.shape != expected.shape:
         raise AssertionError(f"shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    return actual, expected
+
+
+def error_ratio(actual: Any, expected: Any, atol: float = 1e-5, rtol: float = 1e-5) -> float:
+    """max |actual - expected| / (atol + rtol * |expected|) in float64; <= 1 means close."""
+    actual, expected = _float64_pair(actual, expected)
     if actual.numel() == 0:
         return 0.0
     ratio = (actual - expected).abs() / (atol + rtol * expected.abs())
     return float(ratio.nan_to_num(nan=float("inf")).max())
+
+
+TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
+
+
+def train_cli(overrides: list[str], run_dir: Path, timeout_s: float = 1800.0) -> Path:
+    """Run ``scripts/train.py`` (the real CLI) with ``overrides`` into ``run_dir``; returns
+    ``run_dir``, or raises RuntimeError with the end of its stderr if the run fails."""
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    result = subprocess.run(
+        [sys.executable, str(TRAIN_SCRIPT), *overrides, f"hydra.run.dir={run_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"train.py {' '.join(overrides)} failed:\n{result.stderr[-3000:]}")
+    return Path(run_dir)
+
+
+def _relative(actual: Any, expected: Any) -> float:
+    """max |actual - expected| / max |expected| (the absolute difference where expected is
+    all zeros), in float64: a normwise relative difference that zeros cannot blow up."""
+    a, b = _float64_pair(actual, expected)
+    if a.numel() == 0:
+        return 0.0
+    scale = float(b.abs().max())
+    return float((a - b).abs().max()) / (scale if scale > 0 else 1.0)
+
+
+def _checkpoint_tensors(run_dir: Path) -> dict[str, Any]:
+    """Every tensor of ``checkpoints/last.pt`` that training produced: the model's state and
+    the optimizer's per-parameter state (e.g. SGD momentum buffers)."""
+    import torch
+
+    state = torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)
+    tensors = {f"model.{k}": v for k, v in state["model"].items()}
+    for index, per_param in state["optimizer"]["state"].items():
+        for name, value in per_param.items():
+            if torch.is_tensor(value):
+                tensors[f"optimizer.{index}.{name}"] = value
+    return tensors
+
+
+def _train_losses(run_dir: Path) -> dict[int, float]:
+    """step -> train/loss of the per-step records of ``metrics.jsonl``; the end-of-epoch
+    records (whose ``epoch`` is an int, not a fraction of epochs) are left out."""
+    import json
+
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").open()]
+    return {r["step"]: r["train/loss"] for r in records if isinstance(r["epoch"], float)}
+
+
+def run_difference(run_a: Path, run_b: Path) -> dict[str, Any]:
+    """How far two training runs are apart: the worst relative difference of the per-step
+    training loss (``loss``, over steps; ``loss_step`` is where), and of the tensors of
+    ``checkpoints/last.pt`` (``checkpoint``, normwise per tensor; ``checkpoint_tensor``).
+
+    Runs that logged different steps or saved different tensors raise AssertionError.
+    """
+    losses_a, losses_b = _train_losses(run_a), _train_losses(run_b)
+    if sorted(losses_a) != sorted(losses_b) or not losses_a:
+        raise AssertionError(f"logged steps differ: {sorted(losses_a)} vs {sorted(losses_b)}")
+    loss = {step: _relative(losses_a[step], losses_b[step]) for step in losses_a}
+    tensors_a, tensors_b = _checkpoint_tensors(run_a), _checkpoint_tensors(run_b)
+    if sorted(tensors_a) != sorted(tensors_b):
+        raise AssertionError(f"checkpoint tensors differ: {sorted(tensors_a ^ tensors_b)}")
+    tensors = {name: _relative(tensors_a[name], tensors_b[name]) for name in tensors_a}
+    loss_step = max(loss, key=loss.get)
+    worst_tensor = max(tensors, key=tensors.get)
+    return {
+        "loss": loss[loss_step],
+        "loss_step": loss_step,
+        "loss_by_step": [loss[step] for step in sorted(loss)],
+        "checkpoint": tensors[worst_tensor],
+        "checkpoint_tensor": worst_tensor,
+        "tensors": len(tensors),
+        "worst": max(loss[loss_step], tensors[worst_tensor]),
+    }

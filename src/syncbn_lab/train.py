@@ -18,6 +18,7 @@ from syncbn_lab.config import torchrun_env, validate
 from syncbn_lab.engine import checkpoint
 from syncbn_lab.engine.loop import Loaders, Trainer
 from syncbn_lab.engine.optim import build_optimizer
+from syncbn_lab.engine.precision import model_dtype
 from syncbn_lab.errors import ConfigError
 from syncbn_lab.logging import NullLogger, RunLogger
 from syncbn_lab.nn.registry import norm_layer, normalization_batch_size
@@ -80,7 +81,10 @@ def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         torch.backends.cudnn.benchmark = False
     seed_everything(t.seed)
 
+    dtype = model_dtype(t.precision)
     splits = build_datasets(cfg.data)
+    for split in (splits.train, splits.val, splits.test):
+        split.set_dtype(dtype)
     # Only the emulation puts several devices' slices through one norm layer; DataParallel's
     # replicas each get their own slice, DDP ranks their own batch.
     emulated = cfg.parallel.devices if cfg.parallel.name == "emulated" else 1
@@ -89,7 +93,8 @@ def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     steps = t.epochs * (len(train_batches) // t.accumulate)  # the Trainer's total_steps
     steps = min(steps, t.max_steps) if t.max_steps is not None else steps
     norm = norm_layer(cfg.bn, emulated_devices=emulated, training_batches=steps * t.accumulate)
-    model = models.build(cfg.model, norm, splits.num_classes, splits.in_channels).to(rt.device)
+    model = models.build(cfg.model, norm, splits.num_classes, splits.in_channels)
+    model = model.to(rt.device, dtype)
     parallel = parallelize(model, cfg, rt)
     optimizer = build_optimizer(cfg.optim, model)
     loaders = Loaders(

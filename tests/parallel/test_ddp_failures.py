@@ -13,6 +13,7 @@ from parallel_helpers import alive, processes_with_env
 
 from syncbn_lab.errors import ConfigError
 from syncbn_lab.parallel.ddp import GRACE_S, STOP_S, RankFailed
+from syncbn_lab.testing import fault_override
 from syncbn_lab.train import run
 
 TRAIN = str(ROOT / "scripts" / "train.py")
@@ -30,13 +31,10 @@ def no_process_left(marker: str, within: float = 10.0) -> bool:
 
 def test_a_rank_that_raises_ends_the_run_with_one_report(tmp_path):
     marker = f"SYNCBN_LAB_TEST_MARKER={uuid.uuid4().hex}"
-    env = {
-        **os.environ,
-        "SYNCBN_LAB_FAULT": "raise@1:3",
-        marker.split("=")[0]: marker.split("=")[1],
-    }
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
+    fault = fault_override("raise", rank=1, step=3)
     result = subprocess.run(
-        [sys.executable, TRAIN, *DDP, f"hydra.run.dir={tmp_path / 'run'}"],
+        [sys.executable, TRAIN, *DDP, fault, f"hydra.run.dir={tmp_path / 'run'}"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -46,19 +44,16 @@ def test_a_rank_that_raises_ends_the_run_with_one_report(tmp_path):
     assert result.returncode == 1, result.stderr
     err = result.stderr
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert errors == [
-        "error: rank 1 failed: RuntimeError: injected fault on rank 1 at step 3 (raise@1:3)"
-    ], err
+    assert errors == ["error: rank 1 failed: RuntimeError: injected fault on rank 1 at step 3"], err
     assert err.count("Traceback (most recent call last)") == 1, err  # rank 1's, once
     assert "Connection closed" not in err and "Connection reset" not in err, err  # rank 0's
     assert not (tmp_path / "run" / "summary.json").exists()
     assert no_process_left(marker), processes_with_env(marker)
 
 
-def test_a_killed_rank_ends_the_run(tmp_path, monkeypatch):
-    monkeypatch.setenv("SYNCBN_LAB_FAULT", "kill@1:3")
+def test_a_killed_rank_ends_the_run(tmp_path):
     with pytest.raises(RankFailed) as failure:
-        run(compose_config(DDP), tmp_path)
+        run(compose_config([*DDP, fault_override("kill", rank=1, step=3)]), tmp_path)
     assert failure.value.rank == 1
     assert (
         str(failure.value) == "rank 1 died (killed by signal SIGKILL); the other ranks were stopped"
@@ -67,12 +62,12 @@ def test_a_killed_rank_ends_the_run(tmp_path, monkeypatch):
     assert not (tmp_path / "summary.json").exists()
 
 
-def test_a_hung_rank_ends_the_run_after_the_collective_timeout(tmp_path, monkeypatch):
-    monkeypatch.setenv("SYNCBN_LAB_FAULT", "hang@1:2")
+def test_a_hung_rank_ends_the_run_after_the_collective_timeout(tmp_path):
     timeout = 3
+    hang = fault_override("hang", rank=1, step=2)
     started = time.monotonic()
     with pytest.raises(RankFailed) as failure:
-        run(compose_config([*DDP, f"parallel.timeout_s={timeout}"]), tmp_path)
+        run(compose_config([*DDP, hang, f"parallel.timeout_s={timeout}"]), tmp_path)
     elapsed = time.monotonic() - started
     assert str(failure.value).startswith("rank(s) 1 stopped responding: rank 0's collective")
     assert not any(alive(pid) for pid in failure.value.pids)

@@ -37,11 +37,41 @@ def assert_one_line_error(result, *fragments):
             ["parallel=emulated", "parallel.devices=4", "trainer.global_batch_size=30"],
             ["not divisible"],
         ),
+        (["trainer.precision=fp8"], ["trainer.precision=fp8", "fp64"]),
+        (["model.name=nosuch"], ["model.name=nosuch", "model=<name>", "resnet20"]),
+        (["bn.name=nosuch"], ["bn.name=nosuch", "bn=<name>", "sync"]),
+        (["data.name=nosuch"], ["data.name=nosuch", "data=<name>", "mnist"]),
+        (["sched.name=nosuch"], ["sched.name=nosuch", "sched=<name>", "cosine"]),
+        (["optim.name=nosuch"], ["optim.name=nosuch", "optim=<name>", "adamw"]),
+        (["model.width=0"], ["model.width=0", "positive"]),
+        (["bn.eps=-1"], ["bn.eps=-1", "(0, inf)"]),
+        (["optim.lr=-0.1"], ["optim.lr=-0.1", "[0, inf)"]),
+        (["optim=adamw", "optim.betas=[0.9]"], ["optim.betas=[0.9]", "two numbers"]),
+        (["sched=step", "sched.milestones=3"], ["sched.milestones=3", "[0.5,0.75]"]),
+        (["bn=gn", "bn.groups=0"], ["bn.groups=0", "positive"]),
+        (["bn=sync", "bn.impl=bogus"], ["bn.impl=bogus", "reference"]),
+        (
+            ["bn=sync", "bn.group_size=3", "parallel=emulated", "parallel.devices=4"],
+            ["bn.group_size=3", "parallel.devices=4", "divisor"],
+        ),
+        (["trainer.callbacks=[{_target_:nosuch.thing}]"], ["nosuch.thing", "importable"]),
     ],
 )
-def test_bad_config_is_one_line(tmp_path, overrides, fragments):
+def test_bad_config_is_one_line_before_the_run_dir_exists(tmp_path, overrides, fragments):
     result = train(*TINY, *overrides, f"hydra.run.dir={tmp_path / 'run'}")
     assert_one_line_error(result, *fragments)
+    assert not (tmp_path / "run").exists()  # Hydra never started: nothing written
+
+
+def test_group_norm_groups_that_do_not_divide_the_channels_is_one_line(tmp_path):
+    # the default width 16: resnet20's norm layers have 16, 32 and 64 channels
+    result = train(
+        "model=resnet20", "bn=gn", "bn.groups=7", "logger=none", f"hydra.run.dir={tmp_path / 'run'}"
+    )
+    assert_one_line_error(
+        result, "bn.groups=7", "(16, 32, 64)", "choose bn.groups from 1, 2, 4, 8, 16, 32, 64"
+    )
+    assert not (tmp_path / "run").exists()
 
 
 def test_missing_data_is_one_line(tmp_path):

@@ -60,7 +60,9 @@ class ImageDataset(Dataset):
 
     Items are ``(image float32 C x H x W, label int)``; ``default_collate`` turns a list of
     them into a float32 ``B x C x H x W`` tensor and an int64 ``B`` tensor. Augmentation is applied
-    only when ``train`` is true and ``augmentation`` enables something.
+    only when ``train`` is true and ``augmentation`` enables something. :meth:`set_dtype`
+    makes the images float64 instead (``trainer.precision=fp64``): uint8 straight to that dtype,
+    normalised in it, so the one cast of a batch is the one that builds it.
     """
 
     def __init__(
@@ -89,8 +91,8 @@ class ImageDataset(Dataset):
             scale, shift = 1.0 / (self.pixel_max * std_t), -mean_t / std_t
         else:
             scale, shift = torch.full_like(std_t, 1.0 / self.pixel_max), torch.zeros_like(mean_t)
-        self._scale = scale.to(torch.float32).view(-1, 1, 1)
-        self._shift = shift.to(torch.float32).view(-1, 1, 1)
+        self._scale64, self._shift64 = scale.view(-1, 1, 1), shift.view(-1, 1, 1)
+        self.set_dtype(torch.float32)
         self.train = bool(train)
         self.augmentation = augmentation or Augmentation()
         self.seed = int(seed)
@@ -105,6 +107,12 @@ class ImageDataset(Dataset):
 
     def __len__(self) -> int:
         raise NotImplementedError
+
+    def set_dtype(self, dtype: torch.dtype) -> None:
+        """The floating dtype of the images this dataset yields (float32 by default)."""
+        self.dtype = dtype
+        self._scale = self._scale64.to(dtype)
+        self._shift = self._shift64.to(dtype)
 
     # -- randomness ----------------------------------------------------------------------------
     @property
@@ -164,14 +172,14 @@ class ImageDataset(Dataset):
         return out.view(b, -1, h, w)
 
     def batch(self, indices: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stacked ``(images float32 B x C x H x W, labels int64 B)`` for ``indices``."""
+        """Stacked ``(images B x C x H x W of self.dtype, labels int64 B)`` for ``indices``."""
         index = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
         if index.numel() and index.min() < 0:  # Python-style negative indices
             index = torch.where(index < 0, index + len(self), index)
         images, labels = self._load(index)
         if self.augments:
             images = self._augment(images)
-        out = images.to(torch.float32).mul_(self._scale).add_(self._shift)
+        out = images.to(self.dtype).mul_(self._scale).add_(self._shift)
         return out, labels
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, int]]:

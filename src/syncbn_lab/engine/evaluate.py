@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from syncbn_lab.engine.precision import autocast
 from syncbn_lab.parallel.context import Runtime
-
-
-def autocast(device: torch.device, precision: str):
-    """The autocast context for trainer.precision (fp32 = none)."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+from syncbn_lab.parallel.dp import at_least_fp32
 
 
 @torch.no_grad()
@@ -31,7 +23,7 @@ def evaluate(model: nn.Module, loader: DataLoader, rt: Runtime, precision: str) 
         labels = labels.to(rt.device, non_blocking=True)
         with autocast(rt.device, precision):
             logits = model(images)
-        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        totals[0] += F.cross_entropy(at_least_fp32(logits), labels, reduction="sum")
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += labels.numel()
     rt.all_reduce_sum(totals)

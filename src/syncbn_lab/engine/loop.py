@@ -7,8 +7,6 @@ the wrapped model, so the same loop runs single-device, DDP and emulated N-devic
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,9 +20,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from syncbn_lab.engine import checkpoint
-from syncbn_lab.engine.evaluate import autocast, evaluate
+from syncbn_lab.engine.evaluate import evaluate
 from syncbn_lab.engine.optim import lr_factor
 from syncbn_lab.engine.precise_bn import update_bn_stats
+from syncbn_lab.engine.precision import autocast
 from syncbn_lab.parallel.bn_buffers import BNBuffers
 from syncbn_lab.parallel.context import Runtime
 from syncbn_lab.parallel.dp import at_least_fp32, loss_and_counts
@@ -69,7 +68,7 @@ class Trainer:
         self.run_dir = run_dir
         self.bn_buffers = bn_buffers if bn_buffers is not None else BNBuffers()
         self.loss_in_model = bool(getattr(model, "computes_loss", False))
-        self.fault = _fault_for(rt.rank)
+        self.callbacks = _instantiate_callbacks(cfg.trainer.get("callbacks"))
         self.trainer_cfg = cfg.trainer
         self.accumulate = cfg.trainer.accumulate
         self.steps_per_epoch = len(loaders.train) // self.accumulate
@@ -179,8 +178,8 @@ class Trainer:
                 totals = self.train_step(micro)
                 elapsed = time.perf_counter() - t0
                 state.step += 1
-                if self.fault is not None:
-                    self.fault(state.step)
+                for callback in self.callbacks:
+                    callback(self)
                 images = self.cfg.trainer.global_batch_size
                 self.train_time += elapsed
                 self.images_seen += images
@@ -281,28 +280,15 @@ def _no_sync(model: nn.Module):
     return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
 
 
-def _fault_for(rank: int):
-    """Test hook: SYNCBN_LAB_FAULT="raise@RANK:STEP" (or kill@, hang@) makes rank RANK raise,
-    SIGKILL itself, or hang after optimizer step STEP. Unset: None."""
-    spec = os.environ.get("SYNCBN_LAB_FAULT")
-    if not spec:
-        return None
-    action, _, where = spec.partition("@")
-    fault_rank, _, fault_step = where.partition(":")
-    if int(fault_rank) != rank:
-        return None
+def _instantiate_callbacks(nodes) -> list:
+    """trainer.callbacks: Hydra ``_target_`` nodes, each instantiated once per process into a
+    callable run as ``callback(trainer)`` after every optimizer step (``trainer.state.step``
+    and ``trainer.rt.rank`` say where it is). ``syncbn_lab.testing.Fault`` is one."""
+    if not nodes:
+        return []
+    from hydra.utils import instantiate
 
-    def fault(step: int) -> None:
-        if step != int(fault_step):
-            return
-        if action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if action == "hang":
-            while True:
-                time.sleep(1)
-        raise RuntimeError(f"injected fault on rank {rank} at step {step} ({spec})")
-
-    return fault
+    return [instantiate(node) for node in nodes]
 
 
 def _progress(total: int, epoch: int, enabled: bool):

@@ -10,6 +10,9 @@ from torch import nn
 
 from syncbn_lab.errors import ConfigError
 
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("cosine", "onecycle", "step")
+
 
 def parameter_groups(model: nn.Module, weight_decay: float, exclude_norm_and_bias: bool):
     """Split parameters into decayed and not decayed (norm weights and all biases)."""
@@ -41,7 +44,8 @@ def build_optimizer(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(
             groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
         )
-    raise ConfigError(f"unknown optim '{cfg.name}'; choose optim=sgd or optim=adamw")
+    valid = ", ".join(OPTIMIZERS)
+    raise ConfigError(f"unknown optim '{cfg.name}'; choose one of {valid} (optim=<name>)")
 
 
 def lr_factor(cfg: DictConfig, step: int, total_steps: int, steps_per_epoch: int) -> float:
@@ -71,4 +75,5 @@ def lr_factor(cfg: DictConfig, step: int, total_steps: int, steps_per_epoch: int
         total_epochs = total_steps / max(1, steps_per_epoch)
         passed = sum(epochs_done >= m * total_epochs for m in cfg.milestones)
         return cfg.gamma**passed
-    raise ConfigError(f"unknown sched '{cfg.name}'; choose sched=cosine, onecycle or step")
+    valid = ", ".join(SCHEDULES)
+    raise ConfigError(f"unknown sched '{cfg.name}'; choose one of {valid} (sched=<name>)")

@@ -41,7 +41,6 @@ from syncbn_lab.parallel.context import Runtime
 
 GRACE_S = 3.0  # after a first failure: time to collect the other ranks' reports
 STOP_S = 5.0  # after SIGTERM: time before SIGKILL
-FAULT_ENV = "SYNCBN_LAB_FAULT"  # test hook, read by the training loop: "raise@RANK:STEP"
 
 # Messages of collectives that fail because another rank went away or hung.
 _PEER_FAILURE_MARKERS = (
