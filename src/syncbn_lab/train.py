@@ -99,8 +99,8 @@ def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     optimizer = build_optimizer(cfg.optim, model)
     loaders = Loaders(
         train=train_batches,
-        val=eval_loader(splits.val, rt, t.eval_batch_size, t.num_workers),
-        test=eval_loader(splits.test, rt, t.eval_batch_size, t.num_workers),
+        val=eval_loader(splits.val, rt, t.eval_batch_size, t.num_workers, t.get("eval_images")),
+        test=eval_loader(splits.test, rt, t.eval_batch_size, t.num_workers, t.get("eval_images")),
     )
     if len(loaders.train) < t.accumulate:
         raise ConfigError(

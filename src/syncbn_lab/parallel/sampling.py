@@ -85,11 +85,15 @@ def train_loader(
     )
 
 
-def eval_loader(dataset: Dataset, rt: Runtime, batch_size: int, num_workers: int) -> DataLoader:
+def eval_loader(
+    dataset: Dataset, rt: Runtime, batch_size: int, num_workers: int, limit: int | None = None
+) -> DataLoader:
+    """This rank's share of ``dataset`` (of its first ``limit`` images when given)."""
+    length = len(dataset) if limit is None else min(limit, len(dataset))
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        sampler=ShardSampler(len(dataset), rt.rank, rt.world_size),
+        sampler=ShardSampler(length, rt.rank, rt.world_size),
         num_workers=num_workers,
         pin_memory=rt.device.type == "cuda",
     )
