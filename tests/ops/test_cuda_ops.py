@@ -142,11 +142,14 @@ def test_cuda_runs_on_the_current_stream():
         dx = lib.batch_norm_train_backward(dy, x, w, b, out.mean, out.invstd, True)[0]
         return out, dx
 
-    expected, expected_dx = (t.cpu() for t in (step()[0].y, step()[1]))
+    out, dx = step()
+    expected, expected_dx = out.y.cpu(), dx.cpu()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):  # warm the side stream's cached blocks (no cudaMalloc later)
-        for t in (*step()[0], step()[1]):
+        out, dx = step()
+        for t in (*out, dx):
             t.fill_(float("nan"))  # what a read of an unwritten reused block would see
+        del out, dx
     torch.cuda.synchronize()
     torch.cuda._sleep(1 << 31)  # on the default stream: about a second on current GPUs
     with torch.cuda.stream(side):
@@ -155,7 +158,9 @@ def test_cuda_runs_on_the_current_stream():
         done = torch.cuda.Event()
         done.record(side)
     done.synchronize()
-    assert not torch.cuda.default_stream().query(), "the sleep ended first: make it longer"
+    # The sleep still runs: nothing above waited for the default stream (or the sleep is too
+    # short for this GPU's clock).
+    assert not torch.cuda.default_stream().query(), "the op waited for the default stream"
     torch.cuda.synchronize()
     torch.testing.assert_close(y, expected, atol=0, rtol=0)
     torch.testing.assert_close(dx, expected_dx, atol=0, rtol=0)
