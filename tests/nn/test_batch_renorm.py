@@ -267,3 +267,24 @@ def test_as_batchnorm_is_batchnorm_for_the_block_only():
         for a, b in zip(steps(brn, [(x, grad)])[0], steps(ours, [(x, grad)])[0], strict=True):
             assert torch.equal(a, b)
     assert brn.limits() == (2.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "channels_last", "tol"),
+    [(torch.float32, True, 2e-5), (torch.bfloat16, False, 3e-2), (torch.bfloat16, True, 3e-2)],
+)
+def test_layouts_and_half_inputs_against_float64(dtype, channels_last, tol):
+    """bf16 input (as under autocast) keeps float32 parameters and statistics; channels_last
+    input keeps its layout. Both match the float64 run to the input's precision."""
+    x, grad = inputs((8, C, 4, 4))
+    kwargs = {"rmax": 1.5, "dmax": 0.5, "warmup_batches": 0, "ramp_batches": 0, "devices": 2}
+    reference = steps(init(BatchRenorm(C, dtype=torch.float64, **kwargs)), [(x, grad)])[0]
+    x, grad = x.to(dtype), grad.to(dtype)
+    if channels_last:
+        x, grad = (t.contiguous(memory_format=torch.channels_last) for t in (x, grad))
+    brn = init(BatchRenorm(C, **kwargs))
+    got = steps(brn, [(x, grad)])[0]
+    assert got[0].dtype == got[1].dtype == dtype and brn.running_var.dtype == torch.float32
+    assert got[0].is_contiguous(memory_format=torch.channels_last) == channels_last
+    for a, e in zip(got, reference, strict=True):
+        torch.testing.assert_close(a.double(), e, rtol=tol, atol=tol)
