@@ -349,31 +349,29 @@ std::vector<A> expand(const A* per_channel, int64_t C, int64_t per) {
 // The elementwise kernels loop over many rows per call: a row can be as short as C values,
 // and a call through target_clones' resolver costs about as much as a short row.
 
-// `planes` runs of S values spaced `ld` apart (`ldy` in y), one set of coefficients.
+// `planes` runs of S values spaced `ld` apart (in x and y), one set of coefficients.
 template <typename T, typename A>
 SYNCBN_CLONES void affine_planes(const T* __restrict__ x, T* __restrict__ y, int64_t planes,
-                                 int64_t S, int64_t ld, int64_t ldy, A mean, A scale, A shift) {
+                                 int64_t S, int64_t ld, A mean, A scale, A shift) {
   for (int64_t p = 0; p < planes; ++p) {
     const T* __restrict__ xr = x + p * ld;
-    T* __restrict__ yr = y + p * ldy;
+    T* __restrict__ yr = y + p * ld;
     for (int64_t s = 0; s < S; ++s) {
-      const A v = (static_cast<A>(xr[s]) - mean) * scale + shift;
-      yr[s] = static_cast<T>(v);
+      yr[s] = static_cast<T>((static_cast<A>(xr[s]) - mean) * scale + shift);
     }
   }
 }
 
-// `rows` rows of W values spaced `ld` apart (`ldy` in y), coefficients per column.
+// `rows` rows of W values spaced `ld` apart (in x and y), coefficients per column.
 template <typename T, typename A>
 SYNCBN_CLONES void affine_rows(const T* __restrict__ x, T* __restrict__ y, int64_t rows,
-                               int64_t W, int64_t ld, int64_t ldy, const A* __restrict__ mean,
+                               int64_t W, int64_t ld, const A* __restrict__ mean,
                                const A* __restrict__ scale, const A* __restrict__ shift) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* __restrict__ xr = x + r * ld;
-    T* __restrict__ yr = y + r * ldy;
+    T* __restrict__ yr = y + r * ld;
     for (int64_t w = 0; w < W; ++w) {
-      const A v = (static_cast<A>(xr[w]) - mean[w]) * scale[w] + shift[w];
-      yr[w] = static_cast<T>(v);
+      yr[w] = static_cast<T>((static_cast<A>(xr[w]) - mean[w]) * scale[w] + shift[w]);
     }
   }
 }
@@ -449,7 +447,7 @@ void forward_loops(const Prepared& p, const Coefficients<A>& k, Tensor& y) {
     at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t c = i % C, off = plane_offset(g, i), ld = C * S;
-        affine_planes<scalar_t, A>(xp + off, yp + off, g.n, S, ld, ld, k.mean[i], k.scale[i],
+        affine_planes<scalar_t, A>(xp + off, yp + off, g.n, S, ld, k.mean[i], k.scale[i],
                                    k.shift[c]);
       }
     });
@@ -474,7 +472,7 @@ void forward_loops(const Prepared& p, const Coefficients<A>& k, Tensor& y) {
   const int64_t grain = std::max<int64_t>(1, kElemGrain / std::max<int64_t>(W, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     const auto piece = [&](int64_t d, int64_t r, int64_t count) {
-      affine_rows<scalar_t, A>(xp + r * W, yp + r * W, count, W, W, W, mean.data() + d * W,
+      affine_rows<scalar_t, A>(xp + r * W, yp + r * W, count, W, W, mean.data() + d * W,
                                scale.data() + d * W, shift.data());
     };
     for_slice_pieces(begin, end, plan.rows_per_slice, W * p.x.element_size(), piece);
@@ -650,12 +648,12 @@ std::pair<A, A> dx_coefficients(const Coefficients<A>& k, int64_t i, A sum_dy, A
 
 template <typename T, typename A>
 SYNCBN_CLONES void dx_planes(const T* __restrict__ dy, const T* __restrict__ x,
-                             T* __restrict__ dx, int64_t planes, int64_t S, int64_t ld,
-                             int64_t ldo, A mean, A scale, A kx, A k0) {
+                             T* __restrict__ dx, int64_t planes, int64_t S, int64_t ld, A mean,
+                             A scale, A kx, A k0) {
   for (int64_t p = 0; p < planes; ++p) {
     const T* __restrict__ xr = x + p * ld;
     const T* __restrict__ gr = dy + p * ld;
-    T* __restrict__ outr = dx + p * ldo;
+    T* __restrict__ outr = dx + p * ld;
     for (int64_t s = 0; s < S; ++s) {
       const A xm = static_cast<A>(xr[s]) - mean;
       const A g = static_cast<A>(gr[s]);
@@ -666,13 +664,13 @@ SYNCBN_CLONES void dx_planes(const T* __restrict__ dy, const T* __restrict__ x,
 
 template <typename T, typename A>
 SYNCBN_CLONES void dx_rows(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
-                           int64_t rows, int64_t W, int64_t ld, int64_t ldo,
-                           const A* __restrict__ mean, const A* __restrict__ scale,
-                           const A* __restrict__ kx, const A* __restrict__ k0) {
+                           int64_t rows, int64_t W, int64_t ld, const A* __restrict__ mean,
+                           const A* __restrict__ scale, const A* __restrict__ kx,
+                           const A* __restrict__ k0) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* __restrict__ xr = x + r * ld;
     const T* __restrict__ gr = dy + r * ld;
-    T* __restrict__ outr = dx + r * ldo;
+    T* __restrict__ outr = dx + r * ld;
     for (int64_t w = 0; w < W; ++w) {
       const A xm = static_cast<A>(xr[w]) - mean[w];
       const A g = static_cast<A>(gr[w]);
@@ -693,7 +691,7 @@ void backward_elemt_loops(const Prepared& p, const Tensor& dy, const Coefficient
     at::parallel_for(0, g.slices * C, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t off = plane_offset(g, i), ld = C * S;
-        dx_planes<scalar_t, A>(gp + off, xp + off, op + off, g.n, S, ld, ld, k.mean[i],
+        dx_planes<scalar_t, A>(gp + off, xp + off, op + off, g.n, S, ld, k.mean[i],
                                k.scale[i], kx[i], k0[i]);
       }
     });
@@ -716,7 +714,7 @@ void backward_elemt_loops(const Prepared& p, const Tensor& dy, const Coefficient
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     const auto piece = [&](int64_t d, int64_t r, int64_t count) {
       const int64_t o = r * W, w = d * W;
-      dx_rows<scalar_t, A>(gp + o, xp + o, op + o, count, W, W, W, mean.data() + w,
+      dx_rows<scalar_t, A>(gp + o, xp + o, op + o, count, W, W, mean.data() + w,
                            scale.data() + w, ekx.data() + w, ek0.data() + w);
     };
     for_slice_pieces(begin, end, plan.rows_per_slice, 2 * W * p.x.element_size(), piece);
@@ -893,7 +891,7 @@ void fused_forward_rows(const Tensor& x, const Tensor& weight, const Tensor& bia
         std::fill_n(cmean.begin() + w, per, mu);
         std::fill_n(shift.begin() + w, per, out.shift_of(c));
       }
-      affine_rows<scalar_t, A>(xp + off, yp + off, rows, B, W, W, cmean.data(), scale.data(),
+      affine_rows<scalar_t, A>(xp + off, yp + off, rows, B, W, cmean.data(), scale.data(),
                                shift.data());
     }
   });
@@ -938,7 +936,7 @@ void fused_backward_rows(const Prepared& p, const Tensor& dy, const Coefficients
       if (!input_grad) continue;
       const A* kx = sdyx.data();
       const A* k0 = sdy.data();
-      dx_rows<scalar_t, A>(gp + off, xp + off, op + off, rows, B, W, W, mean.data(), scale.data(),
+      dx_rows<scalar_t, A>(gp + off, xp + off, op + off, rows, B, W, mean.data(), scale.data(),
                            kx, k0);
     }
   });
@@ -959,7 +957,7 @@ void fused_forward_planes(const Tensor& x, const Tensor& weight, const Tensor& b
       const int64_t c = i % C, off = plane_offset(g, i);
       const auto [mu, m2] = plane_stats(xp + off, n, S, C * S, cmean, cm2);
       const A scale = out.finish(i, c, mu, m2);
-      affine_planes<scalar_t, A>(xp + off, yp + off, n, S, C * S, C * S, mu, scale,
+      affine_planes<scalar_t, A>(xp + off, yp + off, n, S, C * S, mu, scale,
                                  out.shift_of(c));
     }
   });
@@ -1028,7 +1026,7 @@ void fused_backward_planes(const Prepared& p, const Tensor& dy, const Coefficien
           plane_grad_sums(gp + off, xp + off, n, S, C * S, k, i, sdy, sdyx);
       if (!input_grad) continue;
       const auto [kx, k0] = dx_coefficients(k, i, sum_dy[i], sum_dy_xhat[i], inv_m);
-      dx_planes<scalar_t, A>(gp + off, xp + off, op + off, n, S, C * S, C * S, k.mean[i],
+      dx_planes<scalar_t, A>(gp + off, xp + off, op + off, n, S, C * S, k.mean[i],
                              k.scale[i], kx, k0);
     }
   });
