@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from syncbn_lab.errors import UserError
-from syncbn_lab.report import collect_runs, write_report
+from syncbn_lab.report import collect_failures, collect_runs, write_report
 
 
 def fake_run(root, bn, devices, seed, test_acc, precise=None, parallel="emulated", loss=0.1):
@@ -92,3 +92,49 @@ def test_no_runs_is_a_clear_error(tmp_path):
         collect_runs(tmp_path)
     with pytest.raises(UserError, match="does not exist"):
         collect_runs(tmp_path / "missing")
+
+
+def fake_failure(root, bn, devices, seed, reason, finished_later=False):
+    """A run dir as syncbn_lab.multirun leaves a failed job (error.json with its cell)."""
+    run_dir = root / f"{bn}_emulated{devices}_s{seed}_failed"
+    run_dir.mkdir(parents=True)
+    cell = dict(bn=bn, parallel="emulated", devices=devices, seed=seed)
+    cell["per_device_batch_size"] = 64 // devices if 64 % devices == 0 else 64 / devices
+    (run_dir / "error.json").write_text(json.dumps({"error": reason, **cell}))
+    if finished_later:  # a resumed sweep finished it: not a failure any more
+        (run_dir / "summary.json").write_text(json.dumps({**cell, "test_acc": 99.0, "steps": 9}))
+
+
+def test_failed_runs_are_listed_and_their_cells_marked_missing(sweep):
+    root = sweep / "sweep"
+    fake_failure(root, "sync", 64, 3, "rank 1 failed: RuntimeError: boom")
+    fake_failure(root, "bn", 2, 0, "rank 0 failed: RuntimeError: boom")
+    fake_failure(root, "bn", 3, 0, "trainer.global_batch_size=64 is not divisible | by 3")
+    fake_failure(root, "bn", 4, 0, "fixed by the resume", finished_later=True)
+    (root / "cut_short").mkdir()
+    (root / "cut_short" / "summary.json").write_text('{"bn": "bn", "devices": 1')  # killed
+    failures = collect_failures(root)
+    assert sorted(f.run_dir.name for f in failures) == [
+        "bn_emulated2_s0_failed",
+        "bn_emulated3_s0_failed",
+        "sync_emulated64_s3_failed",
+    ]
+    runs = collect_runs(root)
+    assert len(runs) == 16  # the resumed one counts, the cut-short one does not
+    write_report(runs, sweep / "report", "Test report", failures=failures)
+    text = (sweep / "report" / "README.md").read_text()
+    assert "**3 run(s) failed**" in text
+    assert (
+        "| sync | emulated | 64 | 1 | 3 | rank 1 failed: RuntimeError: boom | "
+        "sync_emulated64_s3_failed |" in text
+    )
+    assert "| bn | emulated | 3 | 21.3333 | 0 | trainer.global_batch_size=64 is not divisible " in (
+        text
+    )
+    assert "\\| by 3 |" in text  # a | in the reason does not break the table
+    # 3 of 4 seeds of sync at 1 image per device finished; no bn run at 32 images per device
+    table = text.split("## Test error")[1].split("##")[0]
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in table.splitlines() if "|" in line}
+    assert rows["| 1"][3] == "0.90 ± 0.10 (1 missing)"  # sync (EMA): seeds 0-2 of 0-3
+    assert rows["| 32"][1:3] == ["– missing", "– missing"]  # bn (EMA, PreciseBN)
+    assert rows["| 16"][1] == "1.00 ± 0.00"  # bn (EMA): the resumed run, not missing
