@@ -36,9 +36,12 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     validate(cfg)
     if cfg.trainer.resume:
         checkpoint.resolve(cfg.trainer.resume)  # fail now, not after the processes start
+    from syncbn_lab.data import prepare_data
+
     launched = torchrun_env()
     if launched is None or launched["rank"] == 0:  # torchrun: rank 0 owns the one run dir
         check_run_dir(run_dir)
+        prepare_data(cfg.data)  # fetched and checked before anything is written
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)

@@ -289,3 +289,20 @@ def test_the_real_debian_package(tmp_path):
     for split in ("train", "val", "test"):
         counts = np.bincount(arrays[f"y_{split}"], minlength=10)
         assert counts.min() > 0.9 * counts.mean()  # every split holds all ten classes evenly
+
+
+def test_a_run_with_a_bad_file_stops_before_writing_anything(tmp_path, package, monkeypatch):
+    from conftest import compose_config
+
+    from syncbn_lab.train import run
+
+    folder, sums, arrays = package
+    monkeypatch.setattr(fm, "PACKAGE_DIR", folder)
+    monkeypatch.setattr(fm, "FILES", sums)
+    own = tmp_path / "data" / "fashion_mnist"
+    write_files(own, {"train-labels-idx1-ubyte.gz": idx_bytes(np.full(TRAIN + VAL, 12))})
+    cfg = compose_config(["data=fashion_mnist", f"data.root={tmp_path / 'data'}", "logger=none"])
+    with pytest.raises(DataError, match="sha256 mismatch .*train-labels.*; delete it and run"):
+        run(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    assert sorted(p.name for p in own.iterdir()) == ["train-labels-idx1-ubyte.gz"]

@@ -12,7 +12,7 @@ import importlib
 
 from omegaconf import DictConfig
 
-from .base import DataError, DataSplits
+from .base import DataError, DataSplits, require
 from .image_dataset import Augmentation, ImageDataset, InMemoryImageDataset
 
 # name -> "module:function"; modules are imported only when their dataset is built.
@@ -26,6 +26,28 @@ _BUILDERS = {
     "synthetic": "syncbn_lab.data.synthetic:build_synthetic",
 }
 DATASET_NAMES = tuple(sorted(_BUILDERS))
+# name -> (module, fetch, load) of the families that fetch files into <root> and cache them.
+_FETCHERS = {
+    "mnist": ("syncbn_lab.data.mnist", "fetch_mnist", "load_mnist_arrays"),
+    "fashion_mnist": (
+        "syncbn_lab.data.fashion_mnist",
+        "fetch_fashion_mnist",
+        "load_fashion_mnist_arrays",
+    ),
+}
+
+
+def prepare_data(cfg: DictConfig) -> None:
+    """Fetch and check the files of a dataset that ``build_datasets`` would fetch, so that a
+    missing, corrupted or wrong file stops a run before it writes anything (and a DDP run
+    fetches once, not once per rank). Other families check their files when built."""
+    name = cfg.get("name") if hasattr(cfg, "get") else None
+    if name not in _FETCHERS:
+        return
+    module_name, fetch, load = _FETCHERS[name]
+    module = importlib.import_module(module_name)
+    cache = getattr(module, fetch)(require(cfg, "root"), download=bool(require(cfg, "download")))
+    getattr(module, load)(cache)
 
 
 def build_datasets(cfg: DictConfig) -> DataSplits:
@@ -57,5 +79,6 @@ __all__ = [
     "ImageDataset",
     "InMemoryImageDataset",
     "build_datasets",
+    "prepare_data",
     "fetch_mnist",
 ]
