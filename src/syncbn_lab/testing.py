@@ -258,7 +258,10 @@ def train_cli(overrides: list[str], run_dir: Path, timeout_s: float = 1800.0) ->
         env=env,
     )
     if result.returncode != 0:
-        raise RuntimeError(f"train.py {' '.join(overrides)} failed:\n{result.stderr[-3000:]}")
+        raise RuntimeError(
+            f"train.py {' '.join(overrides)} exited with {result.returncode}:\n"
+            f"{result.stderr[-3000:]}"
+        )
     return Path(run_dir)
 
 
