@@ -222,11 +222,14 @@ def torch_batchnorm_class(input_dim: int) -> type:
 
 
 def _float64_pair(actual: Any, expected: Any) -> tuple[Any, Any]:
-    """Both as float64 tensors of one shape (AssertionError if the shapes differ)."""
+    """Both as float64 tensors of one shape (AssertionError if the shapes differ); Python
+    numbers become float64 directly (torch.as_tensor would round them to float32 first)."""
     import torch
 
-    actual = torch.as_tensor(actual).detach().double()
-    expected = torch.as_tensor(expected).detach().double()
+    def as_float64(x: Any) -> Any:
+        return x.detach().double() if torch.is_tensor(x) else torch.tensor(x, dtype=torch.float64)
+
+    actual, expected = as_float64(actual), as_float64(expected)
     if actual.shape != expected.shape:
         raise AssertionError(f"shape {tuple(actual.shape)} != {tuple(expected.shape)}")
     return actual, expected
