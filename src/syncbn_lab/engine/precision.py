@@ -4,7 +4,8 @@
 - ``fp64``: float64 parameters, buffers and data, every norm layer (torch's BatchNorm2d and
   GroupNorm, this project's reference and fused BatchNorm) in float64; no autocast. Slow, but
   summation order then moves the loss by ~1e-16 instead of ~1e-7, which is what makes
-  emulated and real DDP runs comparable to 1e-9 (float32 training here is chaotic).
+  emulated and real DDP runs comparable to 1e-9 (float32 training here is chaotic). CUDA
+  takes it too (the CUDA kernels dispatch float64); the tests run it on CPU.
 - ``bf16`` / ``fp16``: float32 parameters and data under autocast (fp16 adds a GradScaler).
 """
 
