@@ -28,14 +28,14 @@ reduction; its times are in the JSON).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
 import torch
+
+from syncbn_lab.provenance import write_json
 
 CPU_SHAPES = [(64, 64, 32, 32), (32, 256, 8, 8)]
 GPU_SHAPES = [(64, 64, 32, 32), (32, 256, 8, 8), (128, 64, 56, 56)]
@@ -383,16 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.no_gpu:
         print("\nGPU section skipped: no GPU or the extension was built without CUDA")
     if args.json:
-        meta = {
-            "torch": torch.__version__,
-            "machine": platform.machine(),
-            "threads": torch.get_num_threads(),
-            "stat": args.stat,
-            "gpu": torch.cuda.get_device_name() if gpu else None,
-        }
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "records": records}, f, indent=1)
-        print(f"\nwrote {args.json}")
+        write_json(args.json, records, stat=args.stat, rounds=args.rounds)
     return 0
 
 

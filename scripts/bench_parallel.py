@@ -31,6 +31,7 @@ from syncbn_lab import models
 from syncbn_lab.config import available_cores, compose, validate
 from syncbn_lab.nn.registry import norm_layer
 from syncbn_lab.parallel import Runtime, parallelize
+from syncbn_lab.provenance import write_json
 
 GLOBAL_BATCH = 64
 IMAGE = (1, 28, 28)
@@ -174,6 +175,7 @@ def ddp_against_one_process(steps: int, rounds: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
+    parser.add_argument("--json", type=Path, help="write the records to this file")
     args = parser.parse_args()
     steps, rounds = (2, 4) if args.quick else (2, 12)
     threads = torch.get_num_threads()
@@ -189,9 +191,8 @@ def main() -> None:
     print(
         "{:>5} {:>4} {:>7} {:>11} {:>11} {:>11} {:>8} {:>8}".format(*header, "vs torch", "vs layer")
     )
-    for bn, n, per_device, torch_rate, layer, emulated, vs_torch, vs_layer in emulation_overhead(
-        [2, 8, 64], steps, rounds
-    ):
+    emulation = emulation_overhead([2, 8, 64], steps, rounds)
+    for bn, n, per_device, torch_rate, layer, emulated, vs_torch, vs_layer in emulation:
         print(
             f"{bn:>5} {n:>4} {per_device:>7} {torch_rate:>11.0f} {layer:>11.0f} {emulated:>11.0f} "
             f"{vs_torch:>8.2f} {vs_layer:>8.2f}"
@@ -205,6 +206,11 @@ def main() -> None:
     print(f"{'2-rank gloo DDP, bn':<44} {1e3 * ddp['bn']:>8.1f} {ddp['bn/single']:>6.2f}")
     print(f"{'2-rank gloo DDP, sync':<44} {1e3 * ddp['sync']:>8.1f} {ddp['sync/single']:>6.2f}")
     print(f"\nSyncBN / BN step time under 2-rank DDP: {ddp['sync/bn']:.2f}")
+    if args.json:
+        columns = ("bn", "devices", "per_device_batch", "torch_images_per_s")
+        columns += ("layer_images_per_s", "emulated_images_per_s", "vs_torch", "vs_layer")
+        rows = [dict(zip(columns, row, strict=True)) for row in emulation]
+        write_json(args.json, {"emulation": rows, "ddp": ddp}, steps=steps, rounds=rounds)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ every rank) forward and all_reduces 2C float32 values backward.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -40,6 +39,7 @@ from pathlib import Path
 import torch
 
 from syncbn_lab.nn import BatchNorm, SyncBatchNorm, ops
+from syncbn_lab.provenance import write_json
 from syncbn_lab.testing import run_distributed
 
 SHAPES = [(64, 64, 32, 32), (32, 256, 8, 8)]
@@ -247,8 +247,15 @@ def main() -> None:
     print_time_table(records)
     print_bytes_table()
     if args.json:
-        args.json.write_text(json.dumps(records, indent=2) + "\n")
-        print(f"\nwrote {len(records)} records to {args.json}")
+        bytes_table = {c: {w: bytes_per_step(c, w) for w in WORLD_SIZES} for c in (64, 256)}
+        write_json(
+            args.json,
+            records,
+            threads=args.threads,
+            clock=args.clock,
+            allocator=allocator,
+            bytes_per_layer_step=bytes_table,
+        )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from syncbn_lab.provenance import write_json
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -113,7 +115,7 @@ def main() -> None:
             f"test accuracy {summary['test_acc']:.2f} % (target >= 99.0)"
         )
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result, steps=args.steps, rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -35,3 +35,15 @@ def test_outside_a_checkout_the_commit_is_none(monkeypatch, tmp_path):
 
     monkeypatch.setattr(p, "_SOURCE", tmp_path)
     assert p.git_commit() is None and p.git_dirty() is None
+
+
+def test_write_json_puts_provenance_beside_the_records(tmp_path):
+    import json
+
+    from syncbn_lab.provenance import write_json
+
+    write_json(tmp_path / "bench.json", [{"ms": 1.5}], threads=1)
+    document = json.loads((tmp_path / "bench.json").read_text())
+    assert document["records"] == [{"ms": 1.5}]
+    assert document["meta"]["threads"] == 1
+    assert document["meta"]["git_commit"] == git_commit()

@@ -81,3 +81,12 @@ def _memory_gib() -> float | None:
     except (ValueError, OSError, AttributeError):
         return None
     return round(pages * page_size / 2**30, 1)
+
+
+def write_json(path: str | Path, records: Any, **meta: Any) -> None:
+    """Write a benchmark's ``records`` as ``{"meta": provenance() | meta, "records": ...}``."""
+    import json
+
+    document = {"meta": {**provenance(), **meta}, "records": records}
+    Path(path).write_text(json.dumps(document, indent=1) + "\n")
+    print(f"\nwrote {path}")
