@@ -33,7 +33,15 @@ from syncbn_lab.errors import UserError
 ERROR_FILE = "error.json"
 SUMMARY_KEYS = ("test_acc", "steps")  # a summary.json without them was cut short
 # What a failed job leaves besides Hydra's own .hydra/ and log file; cleared before a rerun.
-RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", ERROR_FILE, "checkpoints", "wandb")
+RUN_OUTPUTS = (
+    "config.yaml",
+    "metrics.jsonl",
+    "summary.json",
+    "summary.json.tmp",
+    ERROR_FILE,
+    "checkpoints",
+    "wandb",
+)
 # Keys of a run that say which cell of the sweep it is (what error.json records).
 CELL_KEYS = {
     "bn": "bn.name",
