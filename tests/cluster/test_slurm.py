@@ -253,3 +253,45 @@ def test_scancel_leaves_no_process_on_the_node(slurm_env, tmp_path):
     finally:
         for pid in processes_with_env(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_job_cancelled_on_the_cluster_is_a_failed_job_of_the_multirun(slurm_env, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    marker = uuid.uuid4().hex
+    command = [sys.executable, TRAIN, "-m", *LAUNCHER, *TINY, f"hydra.sweep.dir={sweep_dir}"]
+    command += ["trainer.epochs=100000", "trainer.max_steps=3,10000000"]  # job 1 runs on
+    log = open(tmp_path / "multirun.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        command,
+        env={**slurm_env, "SYNCBN_LAB_TEST_MARKER": marker},
+        cwd=tmp_path,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        metrics = sweep_dir / "1_bn_single1_s0" / "metrics.jsonl"
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline and proc.poll() is None, "job 1 never trained"
+            time.sleep(0.5)
+        queue = subprocess.run(
+            ["squeue", "-h", "-o", "%i"], env=slurm_env, capture_output=True, text=True
+        )
+        job_id = next(j for j in queue.stdout.split() if j.endswith("_1"))
+        subprocess.run(["scancel", job_id], env=slurm_env, check=True)
+        code = proc.wait(timeout=180)  # submitit sees CANCELLED in sacct, then the rest
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
+    out = (tmp_path / "multirun.log").read_text()
+    assert code == 1, out[-3000:]
+    failed = [line for line in out.splitlines() if line.startswith("error: job ")]
+    assert len(failed) == 1 and failed[0].startswith(
+        f"error: job 1_bn_single1_s0 failed: SLURM job {job_id} ended without a result (CANCELLED"
+    ), out[-3000:]
+    assert (sweep_dir / "0_bn_single1_s0" / "summary.json").exists()
+    assert json.loads((sweep_dir / "1_bn_single1_s0" / "error.json").read_text())["seed"] == 0
+    assert processes_with_env(marker) == []
