@@ -88,6 +88,7 @@ def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     splits = build_datasets(cfg.data)
     for split in (splits.train, splits.val, splits.test):
         split.set_dtype(dtype)
+    splits.train.set_devices(rt.local_device_ranks)  # augmentation: one stream per device
     # Only the emulation puts several devices' slices through one norm layer; DataParallel's
     # replicas each get their own slice, DDP ranks their own batch.
     emulated = cfg.parallel.devices if cfg.parallel.name == "emulated" else 1

@@ -85,12 +85,18 @@ SLICE = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bn", ["bn", "sync"])
-def test_fp64_emulation_equals_real_ddp_through_the_cli(tmp_path, bn):
-    emulated = train_cli(
-        [*SLICE, f"bn={bn}", "parallel=emulated", "parallel.devices=2"], tmp_path / "e"
-    )
-    ddp = train_cli([*SLICE, f"bn={bn}", "parallel=ddp", "parallel.devices=2"], tmp_path / "d")
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["bn=bn"],
+        # random crops and flips: each emulated device draws from its own rank's stream
+        ["bn=sync", "data.augment=true", "data.crop_padding=2", "data.hflip=true"],
+    ],
+)
+def test_fp64_emulation_equals_real_ddp_through_the_cli(tmp_path, overrides):
+    emulated = ["parallel=emulated", "parallel.devices=2"]
+    emulated = train_cli([*SLICE, *overrides, *emulated], tmp_path / "e")
+    ddp = train_cli([*SLICE, *overrides, "parallel=ddp", "parallel.devices=2"], tmp_path / "d")
     diff = run_difference(emulated, ddp)
     assert len(diff["loss_by_step"]) == 5
     assert diff["worst"] <= 1e-9, diff

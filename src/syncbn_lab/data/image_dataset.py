@@ -6,11 +6,15 @@ uint8 ``N x C x H x W``, and turns a list of indices into normalised float32 ima
 exists) gathers the batch, applies random crop + horizontal flip with batched indexing, and
 normalises with one multiply-add. A batch of 64 CIFAR images costs a fraction of a millisecond.
 
-Augmentation randomness comes from a ``torch.Generator`` owned by the dataset. Its stream is a
-pure function of ``(seed, epoch, distributed rank, DataLoader worker id)`` and of how many
-batches were drawn since, so a run is reproducible for a fixed seed, sampler order and worker
-count; ``set_epoch(epoch)`` (call it next to ``DistributedSampler.set_epoch``) restarts the
-stream for that epoch, and different epochs, ranks and workers see different augmentations.
+Augmentation randomness comes from ``torch.Generator`` streams owned by the dataset, one per
+device. A stream is a pure function of ``(seed, epoch, device, DataLoader worker id)`` and of
+how many batches were drawn since, so a run is reproducible for a fixed seed, sampler order
+and worker count; ``set_epoch(epoch)`` (call it next to ``DistributedSampler.set_epoch``)
+restarts the streams for that epoch, and different epochs, devices and workers see different
+augmentations. The device is the distributed rank, unless ``set_devices`` says that each batch
+is the per-device batches of several devices (the emulation of N devices, DataParallel): then
+slice d of a batch is augmented from device d's stream, exactly as that device's own rank
+would augment it.
 """
 
 from __future__ import annotations
@@ -97,8 +101,8 @@ class ImageDataset(Dataset):
         self.augmentation = augmentation or Augmentation()
         self.seed = int(seed)
         self.epoch = 0
-        self.generator = torch.Generator()
-        self._stream_key: tuple[int, ...] | None = None
+        self.devices: tuple[int, ...] | None = None
+        self._streams: dict[int, tuple[tuple[int, ...], torch.Generator]] = {}
 
     # -- what subclasses provide -------------------------------------------------------------
     def _load(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,36 +127,46 @@ class ImageDataset(Dataset):
     def set_epoch(self, epoch: int) -> None:
         """Restart the augmentation stream at the start of ``epoch`` (same epoch, same draws)."""
         self.epoch = int(epoch)
-        self._stream_key = None
+        self._streams = {}
 
     def set_seed(self, seed: int) -> None:
         """Choose the augmentation seed and restart the stream."""
         self.seed = int(seed)
-        self._stream_key = None
+        self._streams = {}
 
-    def _generator(self) -> torch.Generator:
-        key = (self.seed, self.epoch, _distributed_rank(), _worker_id())
-        if key != self._stream_key:
-            self.generator.manual_seed(mix_seed(key))
-            self._stream_key = key
-        return self.generator
+    def set_devices(self, devices: Sequence[int] | None) -> None:
+        """Each batch is the equal per-device batches of these global devices, in order
+        (``Runtime.local_device_ranks``); None = one device, the distributed rank."""
+        self.devices = None if devices is None else tuple(int(d) for d in devices)
+        self._streams = {}
+
+    def _generator(self, device: int) -> torch.Generator:
+        key = (self.seed, self.epoch, device, _worker_id())
+        stream = self._streams.get(device)
+        if stream is None or stream[0] != key:
+            stream = (key, torch.Generator().manual_seed(mix_seed(key)))
+            self._streams[device] = stream
+        return stream[1]
 
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers get a copy; each one reseeds on first use with its own worker id.
-        state = self.__dict__.copy()
-        state["generator"] = None
-        state["_stream_key"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.generator = torch.Generator()
+        return {**self.__dict__, "_streams": {}}
 
     # -- batch construction --------------------------------------------------------------------
-    def _augment(self, images: torch.Tensor) -> torch.Tensor:
+    def _augment_devices(self, images: torch.Tensor) -> torch.Tensor:
+        """Each device's slice of the batch augmented from that device's stream (a batch that
+        does not split evenly, e.g. a single item, is the first device's)."""
+        devices = self.devices if self.devices is not None else (_distributed_rank(),)
+        if len(devices) == 1 or images.shape[0] % len(devices):
+            return self._augment(images, self._generator(devices[0]))
+        slices = images.chunk(len(devices))
+        return torch.cat(
+            [self._augment(x, self._generator(d)) for x, d in zip(slices, devices, strict=True)]
+        )
+
+    def _augment(self, images: torch.Tensor, g: torch.Generator) -> torch.Tensor:
         """Random crop with zero padding and random horizontal flip, per sample, batched."""
         b, _, h, w = images.shape
-        g = self._generator()
         pad = self.augmentation.crop_padding
         if pad > 0:
             offsets = torch.randint(0, 2 * pad + 1, (2, b), generator=g)
@@ -178,7 +192,7 @@ class ImageDataset(Dataset):
             index = torch.where(index < 0, index + len(self), index)
         images, labels = self._load(index)
         if self.augments:
-            images = self._augment(images)
+            images = self._augment_devices(images)
         out = images.to(self.dtype).mul_(self._scale).add_(self._shift)
         return out, labels
 
