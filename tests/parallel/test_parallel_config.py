@@ -139,5 +139,6 @@ def test_slurm_launcher_config_composes():
             return_hydra_config=True,
         )
     launcher = cfg.hydra.launcher
-    assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    # The project's subclass of the plugin's launcher (tests/cluster/test_launcher_config.py).
+    assert launcher._target_ == "hydra_plugins.syncbn_lab_slurm.launcher.SlurmLauncher"
     assert (launcher.tasks_per_node, launcher.gpus_per_node, launcher.nodes) == (1, 4, 1)
