@@ -192,6 +192,20 @@ def test_torch_fp32_batchnorm_misses_the_large_offset_tolerance():
     assert ours_ratio <= 1 < 20 < theirs_ratio, (ours_ratio, theirs_ratio)
 
 
+def test_textbook_fp32_variances_fail_on_the_large_offset_input():
+    """docs/batchnorm.md §5's two failures on that input: sum(x^2)/m - mu^2 in fp32 is garbage
+    (0, 0 and -8 for variances near 0.01), and merging per-slice fp32 torch.var_mean misses
+    the float64 variance by 2e-4 relative, twice the tolerance the reference meets."""
+    g = torch.Generator().manual_seed(0)
+    x = (1e4 + 0.1 * torch.randn(16, C, 8, 8, generator=g, dtype=torch.float64)).float()
+    exact = x.double().var(dim=(0, 2, 3), correction=0)
+    naive = (x * x).mean(dim=(0, 2, 3)) - x.mean(dim=(0, 2, 3)) ** 2
+    assert ((naive.double() - exact).abs() / exact).min() > 0.5, naive
+    var, mean = torch.var_mean(x.view(4, 4, C, 8, 8), dim=(1, 3, 4), correction=0)
+    merged = (var + (mean - mean.mean(0)) ** 2).mean(0)  # 4 equal slices, Chan's merge
+    assert ((merged.double() - exact).abs() / exact).max() > 1.5e-4, merged
+
+
 def test_statistics_are_float32_for_half_types():
     """bf16/fp16 input: running stats from fp32 math match float64 on the same values."""
     for dtype in (torch.bfloat16, torch.float16):
