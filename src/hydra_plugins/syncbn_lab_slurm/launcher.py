@@ -54,10 +54,10 @@ class SlurmLauncher(_Plugin if _Plugin is not None else object):
         )
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
+        log.info(f"submitting {len(job_overrides)} SLURM job(s); run dirs under {sweep_dir}")
         job_params = []
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
-            log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
+            log.info(f"  job {idx}: {' '.join(filter_overrides(overrides))}")
             state = Singleton.get_state()
             job_params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", state))
         jobs = executor.map_array(self, *zip(*job_params, strict=True))

@@ -14,7 +14,7 @@ from syncbn_lab.report.collect import CSV_COLUMNS, Failure, Run
 # Wu & He, "Group Normalization" (ECCV 2018), Table 3: ResNet-50 on ImageNet, BN computed
 # per GPU, validation error (%) by images per GPU.
 GN_PAPER_BN_ERROR = {32: 23.6, 16: 23.7, 8: 24.8, 4: 27.3, 2: 34.7}
-VARIANT_ORDER = ("bn", "sync", "torch_sync", "gn")
+VARIANT_ORDER = ("bn", "brn", "sync", "torch_sync", "gn")
 
 
 X_AXES = {
