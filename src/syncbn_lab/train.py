@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from syncbn_lab import models
 from syncbn_lab.config import torchrun_env, validate
 from syncbn_lab.engine import checkpoint
-from syncbn_lab.engine.loop import Loaders, Trainer
+from syncbn_lab.engine.loop import Loaders, Trainer, step_counts
 from syncbn_lab.engine.optim import build_optimizer
 from syncbn_lab.engine.precision import model_dtype
 from syncbn_lab.errors import ConfigError
@@ -94,8 +94,7 @@ def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     emulated = cfg.parallel.devices if cfg.parallel.name == "emulated" else 1
     per_device = cfg.derived.per_device_batch_size
     train_batches = train_loader(splits.train, rt, per_device, t.seed, t.num_workers)
-    steps = t.epochs * (len(train_batches) // t.accumulate)  # the Trainer's total_steps
-    steps = min(steps, t.max_steps) if t.max_steps is not None else steps
+    _, steps = step_counts(t, len(train_batches))  # the Trainer's total_steps
     norm = norm_layer(cfg.bn, emulated_devices=emulated, training_batches=steps * t.accumulate)
     model = models.build(cfg.model, norm, splits.num_classes, splits.in_channels)
     model = model.to(rt.device, dtype)

@@ -71,11 +71,7 @@ class Trainer:
         self.callbacks = _instantiate_callbacks(cfg.trainer.get("callbacks"))
         self.trainer_cfg = cfg.trainer
         self.accumulate = cfg.trainer.accumulate
-        self.steps_per_epoch = len(loaders.train) // self.accumulate
-        total = cfg.trainer.epochs * self.steps_per_epoch
-        if cfg.trainer.max_steps is not None:
-            total = min(total, cfg.trainer.max_steps)
-        self.total_steps = total
+        self.steps_per_epoch, self.total_steps = step_counts(cfg.trainer, len(loaders.train))
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]
         self.state = TrainState()
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=cfg.trainer.precision == "fp16")
@@ -278,6 +274,17 @@ class Trainer:
 def _no_sync(model: nn.Module):
     """DDP's no_sync for micro-steps before the last; nothing to do for other models."""
     return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+
+
+def step_counts(trainer_cfg: DictConfig, train_batches: int) -> tuple[int, int]:
+    """(optimizer steps per epoch, optimizer steps of the run) for ``train_batches`` loader
+    batches per epoch: ``accumulate`` batches a step, ``epochs`` epochs, capped at
+    ``max_steps``."""
+    per_epoch = train_batches // trainer_cfg.accumulate
+    total = trainer_cfg.epochs * per_epoch
+    if trainer_cfg.max_steps is not None:
+        total = min(total, trainer_cfg.max_steps)
+    return per_epoch, total
 
 
 def _instantiate_callbacks(nodes) -> list:
