@@ -1,18 +1,22 @@
-"""Run the bn_vs_syncbn sweep (or its smoke version) and write its report.
+"""Run a study's sweep (or its smoke version) and write its report.
 
-    python scripts/sweep.py                       # the full sweep: 42 runs + 3 GroupNorm runs
-    python scripts/sweep.py --parallel ddp        # the same with real DDP (GPUs or gloo)
-    python scripts/sweep.py --smoke               # tiny: synthetic data, few steps, 2 device counts
+    python scripts/sweep.py                       # the Fashion-MNIST study (`make sweep`)
+    python scripts/sweep.py --experiment bn_vs_syncbn_mnist   # the MNIST study
+    python scripts/sweep.py --parallel ddp        # the grid with real DDP (GPUs or gloo)
+    python scripts/sweep.py --smoke               # tiny: synthetic data, few steps
     python scripts/sweep.py --launcher slurm ...  # one SLURM job per run (submitit)
     python scripts/sweep.py --resume SWEEP_DIR    # finish an interrupted or failed sweep
 
-Two Hydra multiruns share one sweep dir: bn x sync x devices x seeds, then GroupNorm once
-per seed (it does not depend on the device count). A run that fails does not stop the
-others: it leaves <run dir>/error.json with its one-line reason and the report shows its
-cell as missing with that reason. --resume runs the same sweep again in its dir (the
-settings recorded in <sweep dir>/sweep.json): runs whose summary.json is complete are
-skipped, the rest run afresh. The wall time of all attempts is written to
-<sweep dir>/wall_time_s and stated in the report.
+A study is a few Hydra multiruns into one sweep dir (PARTS): the experiment's own grid
+(bn, sync x devices x seeds), then the parts that need other grids: Batch Renormalization
+at the small per-device batches, GroupNorm once per seed (it does not depend on the device
+count), and real gloo DDP runs one at a time (the cost table and the spot check against
+their emulated twins). A run that fails does not stop the others: it leaves
+<run dir>/error.json with its one-line reason and the report shows its cell as missing with
+that reason. --resume runs the same sweep again in its dir (the settings recorded in
+<sweep dir>/sweep.json): runs whose summary.json is complete are skipped, the rest run
+afresh. The wall time of all attempts is written to <sweep dir>/wall_time_s and stated in
+the report.
 """
 
 from __future__ import annotations
@@ -42,6 +46,28 @@ SMOKE = [
 LAUNCHERS = {"joblib": "hydra/launcher=joblib", "slurm": "hydra/launcher=submitit_slurm"}
 RECORD = "sweep.json"  # what --resume reads: the settings the sweep was started with
 
+# Real DDP runs, one at a time (each rank takes a core), seed 0.
+DDP = ["parallel=ddp", "trainer.seed=0"]
+# experiment -> its multiruns in order, each a list of overrides on top of the experiment's
+# grid ([] = the grid itself). Parts whose name starts with "ddp" are left out when the
+# whole grid already runs under --parallel ddp.
+PARTS = {
+    "bn_vs_syncbn": {
+        "grid": [],
+        "brn": ["bn=brn", "parallel.devices=8,16,32,64"],  # 8 ... 1 images per device
+        "gn": ["bn=gn", "parallel.devices=1"],
+        "ddp": [*DDP, "bn=bn,sync", "parallel.devices=2,4"],  # the spot check, and cost
+        "ddp_cost": [*DDP, "bn=brn,gn", "parallel.devices=2"],  # cost of the other variants
+    },
+    "bn_vs_syncbn_mnist": {"grid": [], "gn": ["bn=gn", "parallel.devices=1"]},
+}
+SMOKE_PARTS = {
+    "grid": [],
+    "brn": ["bn=brn", "parallel.devices=4"],
+    "gn": ["bn=gn", "parallel.devices=1"],
+    "ddp": [*DDP, "bn=sync", "parallel.devices=2"],
+}
+
 
 def merge(defaults: list[str], overrides: list[str]) -> list[str]:
     """``defaults`` with every key that ``overrides`` sets replaced by its value there."""
@@ -49,13 +75,13 @@ def merge(defaults: list[str], overrides: list[str]) -> list[str]:
     return [d for d in defaults if d.split("=", 1)[0] not in given] + overrides
 
 
-def multirun(sweep_dir: Path, overrides: list[str]) -> int:
+def multirun(sweep_dir: Path, experiment: str, overrides: list[str]) -> int:
     """One Hydra multirun into ``sweep_dir``; its exit status (1: some jobs failed)."""
     command = [
         sys.executable,
         str(ROOT / "scripts" / "train.py"),
         "-m",
-        "experiment=bn_vs_syncbn",
+        f"experiment={experiment}",
         f"hydra.sweep.dir={sweep_dir}",
         "skip_finished=true",  # a run already finished in this sweep dir is not run again
         *overrides,
@@ -72,31 +98,44 @@ def settings(args: argparse.Namespace) -> tuple[Path, dict]:
             sys.exit(
                 f"error: {args.resume} holds no {RECORD}; pass a sweep dir scripts/sweep.py wrote"
             )
-        if args.smoke or args.parallel or args.launcher or args.overrides or args.sweep_dir:
+        given = (args.smoke, args.parallel, args.launcher, args.overrides, args.sweep_dir)
+        if any(given) or args.experiment:
             sys.exit(
                 "error: --resume runs the sweep with the settings it was started with; pass "
-                "no --smoke, --parallel, --launcher, --sweep-dir or overrides with it"
+                "no --experiment, --smoke, --parallel, --launcher, --sweep-dir or overrides "
+                "with it"
             )
         return args.resume, json.loads(record.read_text())
+    experiment = args.experiment or "bn_vs_syncbn"
+    if experiment not in PARTS:
+        sys.exit(f"error: --experiment {experiment} is unknown; choose one of {', '.join(PARTS)}")
+    launcher = args.launcher or "joblib"
+    if launcher not in LAUNCHERS:
+        sys.exit(f"error: --launcher {launcher} is unknown; choose joblib or slurm")
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    name = "bn_vs_syncbn_smoke" if args.smoke else "bn_vs_syncbn"
+    name = f"{experiment}_smoke" if args.smoke else experiment
     sweep_dir = args.sweep_dir or ROOT / "multirun" / name / stamp
     if sweep_dir.exists() and any(sweep_dir.iterdir()):
         sys.exit(
             f"error: {sweep_dir} already holds a sweep; pass a new --sweep-dir, or "
             f"--resume {sweep_dir} to finish it"
         )
-    launcher = args.launcher or "joblib"
-    if launcher not in LAUNCHERS:
-        sys.exit(f"error: --launcher {launcher} is unknown; choose joblib or slurm")
-    base = [f"parallel={args.parallel or 'emulated'}", LAUNCHERS[launcher]]
+    parallel = args.parallel or "emulated"
+    base = [f"parallel={parallel}", LAUNCHERS[launcher]]
     if launcher == "joblib":
         base.append("hydra.launcher.n_jobs=2")  # one job per core of a 2-core machine
     base = merge([*base, *(SMOKE if args.smoke else [])], args.overrides)
     if not args.smoke and not any(o.startswith(("logger=", "logger.group=")) for o in base):
         base.append(f"logger.group={name}-{stamp}")  # one W&B group per sweep
-    gn = ["bn=gn", "parallel.devices=1", "trainer.seed=0" if args.smoke else "trainer.seed=0,1,2"]
-    record = {"name": name, "base": base, "gn": merge(base, gn)}
+    parts = []
+    for part, overrides in (SMOKE_PARTS if args.smoke else PARTS[experiment]).items():
+        if part.startswith("ddp"):
+            if parallel == "ddp":
+                continue  # the grid is real DDP already
+            if launcher == "joblib":
+                overrides = [*overrides, "hydra.launcher.n_jobs=1"]  # the ranks take the cores
+        parts.append({"part": part, "overrides": merge(base, overrides)})
+    record = {"name": name, "experiment": experiment, "parts": parts}
     sweep_dir.mkdir(parents=True, exist_ok=True)
     (sweep_dir / RECORD).write_text(json.dumps(record, indent=1) + "\n")
     return sweep_dir, record
@@ -104,6 +143,7 @@ def settings(args: argparse.Namespace) -> tuple[Path, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experiment", default=None, help=f"one of {', '.join(PARTS)}")
     parser.add_argument("--smoke", action="store_true", help="tiny version for a quick check")
     parser.add_argument("--parallel", default=None, help="emulated (default) or ddp")
     parser.add_argument("--launcher", default=None, help="joblib (default, local) or slurm")
@@ -118,7 +158,9 @@ def main() -> None:
     wall_file = sweep_dir / "wall_time_s"
     earlier = float(wall_file.read_text()) if wall_file.exists() else 0.0
     start = time.perf_counter()
-    statuses = [multirun(sweep_dir, record["base"]), multirun(sweep_dir, record["gn"])]
+    statuses = [
+        multirun(sweep_dir, record["experiment"], part["overrides"]) for part in record["parts"]
+    ]
     wall = earlier + time.perf_counter() - start
     wall_file.write_text(f"{wall:.1f}\n")
     print(f"sweep finished in {wall / 60:.1f} min -> {sweep_dir}", flush=True)

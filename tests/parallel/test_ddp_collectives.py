@@ -28,6 +28,7 @@ from syncbn_lab.parallel import Runtime, parallelize
 from syncbn_lab.parallel.bn_buffers import DistributedBNBuffers
 from syncbn_lab.parallel.ddp import launch_ddp
 from syncbn_lab.parallel.sampling import eval_loader
+from syncbn_lab.traffic import TRAFFIC
 
 WORLD = 2
 RESNET8 = OmegaConf.create({"name": "resnet8", "width": 4, "zero_init_residual": False})
@@ -67,22 +68,14 @@ def case_evaluation_counts_every_sample_once(rt: Runtime) -> None:
 def case_accumulation_syncs_only_the_last_micro_step(rt: Runtime) -> None:
     """K micro-batches under DDP: one gradient all-reduce per step (no_sync before), and the
     update of one batch K x the size in one process (bn=gn, float64)."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
     accumulate, per_device = 4, 4
     cfg = validate(compose_config([*TINY, "bn=gn", "bn.groups=2", "parallel=ddp"]))
     steps = []
     for k in (1, accumulate):
         cfg.trainer.accumulate = k
         model = resnet(GN, torch.float64)
-        wrapped = parallelize(model, cfg, rt).model
-        calls = []
-
-        def counting_hook(state, bucket, calls=calls):
-            calls.append(1)
-            return allreduce_hook(None, bucket)
-
-        wrapped.register_comm_hook(None, counting_hook)
+        wrapped = parallelize(model, cfg, rt).model  # counts its gradient buckets in TRAFFIC
+        TRAFFIC.reset()
         loaders = Loaders(train=[None] * 8, val=[], test=[])
         trainer = Trainer(
             cfg, rt, wrapped, model, build_optimizer(cfg.optim, model), loaders, NullLogger(), None
@@ -95,7 +88,8 @@ def case_accumulation_syncs_only_the_last_micro_step(rt: Runtime) -> None:
         trainer.train_step(
             [(x[i * size : (i + 1) * size], y[i * size : (i + 1) * size]) for i in range(k)]
         )
-        steps.append((torch.cat([p.detach().flatten() for p in model.parameters()]), len(calls)))
+        calls = TRAFFIC.calls["gradients"]
+        steps.append((torch.cat([p.detach().flatten() for p in model.parameters()]), calls))
     (one, buckets), (acc, calls_accumulated) = steps
     assert buckets >= 1 and calls_accumulated == buckets  # only the last micro-step synced
     # one process, one batch of everything
@@ -168,7 +162,35 @@ def case_precise_bn(rt: Runtime, bn_cfg) -> None:
     assert_running_stats_are_population_stats(model, captured)
 
 
+def case_traffic_counts_what_each_collective_sends(rt: Runtime) -> None:
+    """Two optimizer steps with bn=sync: the counted bytes per step are the model's
+    parameters once (float32 gradients), its buffers once (the broadcast before forward) and,
+    per norm layer, the forward payload of 2C+1 float64 and the backward one of 2C float32."""
+    cfg = validate(compose_config([*TINY, "bn=sync", "parallel=ddp"]))
+    model = resnet(SYNC)
+    wrapped = parallelize(model, cfg, rt).model
+    loaders = Loaders(train=[None] * 8, val=[], test=[])
+    trainer = Trainer(
+        cfg, rt, wrapped, model, build_optimizer(cfg.optim, model), loaders, NullLogger(), None
+    )
+    TRAFFIC.reset()
+    for seed in (1, 2):
+        trainer.train_step([data(8, seed=seed + 10 * rt.rank)])
+    channels = [m.num_features for m in model.modules() if hasattr(m, "num_features")]
+    expected = {
+        "gradients": sum(4 * p.numel() for p in model.parameters()),
+        "buffers": sum(b.numel() * b.element_size() for b in model.buffers()),
+        "norm_statistics": sum(8 * (2 * c + 1) + 4 * 2 * c for c in channels),
+    }
+    per_step = TRAFFIC.per_step(2)
+    for kind, size in expected.items():
+        assert per_step[f"comm_{kind}_bytes_per_step"] == size, (kind, per_step)
+    assert per_step["comm_bytes_per_step"] == sum(expected.values())
+    assert TRAFFIC.calls["norm_statistics"] == 2 * 2 * len(channels)
+
+
 CASES = {
+    "traffic": case_traffic_counts_what_each_collective_sends,
     "evaluation": case_evaluation_counts_every_sample_once,
     "accumulation": case_accumulation_syncs_only_the_last_micro_step,
     "dist_bn": case_dist_bn,

@@ -17,7 +17,8 @@ SWEEP = str(ROOT / "scripts" / "sweep.py")
 # Device count 3 does not divide the global batch of 64: those two runs fail as a bad
 # override does, and the sweep goes on.
 WITH_FAILING_CELL = ["parallel.devices=1,3,4"]
-FINISHED = [("bn", 1), ("bn", 4), ("gn", 1), ("sync", 1), ("sync", 4)]
+# The grid (bn, sync at 1 and 4 devices), brn at 4, GroupNorm once, one 2-rank DDP run.
+FINISHED = [("bn", 1), ("bn", 4), ("brn", 4), ("gn", 1), ("sync", 1), ("sync", 2), ("sync", 4)]
 
 
 def sweep_command(report_dir, *extra):
@@ -68,15 +69,17 @@ def test_sweep_smoke_writes_report_and_marks_the_failed_cells(uninterrupted):
         result.stderr
     )
     summaries = [json.loads(p.read_text()) for p in sweep_dir.rglob("summary.json")]
-    # bn and sync at 1 and 4 devices, plus GroupNorm once; the 3-device runs failed
-    assert finished(sweep_dir) == FINISHED
-    assert all(s["parallel"] == "emulated" and s["steps"] == 6 for s in summaries)
+    assert finished(sweep_dir) == FINISHED  # the 3-device runs failed
+    assert sorted(s["parallel"] for s in summaries) == ["ddp"] + ["emulated"] * 6
+    assert all(s["steps"] == 6 for s in summaries)
+    ddp = next(s for s in summaries if s["parallel"] == "ddp")
+    assert ddp["comm_norm_statistics_bytes_per_step"] > 0 and ddp["step_time_s"] > 0
     assert all(s["per_device_batch_size"] * s["devices"] == 64 for s in summaries)
     assert all(s.get("test_acc_precise_bn") is not None for s in summaries if s["bn"] != "gn")
     errors = sorted(p.parent.name for p in sweep_dir.rglob("error.json"))
     assert errors == ["1_bn_emulated3_s0", "4_sync_emulated3_s0"]
     rows = list(csv.DictReader(open(report_dir / "results.csv")))
-    assert len(rows) == 5
+    assert len(rows) == 7
     text = (report_dir / "README.md").read_text()
     assert "| images per device |" in text and "| 16 |" in text and "| 64 |" in text
     assert "**2 run(s) failed**" in text

@@ -27,6 +27,7 @@ from syncbn_lab.engine.precision import autocast
 from syncbn_lab.parallel.bn_buffers import BNBuffers
 from syncbn_lab.parallel.context import Runtime
 from syncbn_lab.parallel.dp import at_least_fp32, loss_and_counts
+from syncbn_lab.traffic import TRAFFIC
 
 
 @dataclass
@@ -154,6 +155,7 @@ class Trainer:
         epochs = cfg.epochs
         last_epoch_totals = torch.zeros(3, dtype=torch.float64, device=rt.device)
         val = {}
+        TRAFFIC.reset()  # count only this fit's training steps
         self.model.train()
         while state.epoch < epochs and state.step < self.total_steps:
             epoch = state.epoch
@@ -231,6 +233,8 @@ class Trainer:
                 print(_epoch_line(record), flush=True)
             if finished:
                 break
+        steps_run = self.images_seen // cfg.global_batch_size
+        traffic = TRAFFIC.per_step(steps_run) if rt.distributed else {}
         test = self.evaluate(self.loaders.test)
         result = {
             "test_acc": test["acc"],
@@ -242,6 +246,8 @@ class Trainer:
             "steps": state.step,
             "train_time_s": self.train_time,
             "images_per_s": self.images_seen / max(self.train_time, 1e-9),
+            "step_time_s": self.train_time / max(steps_run, 1),
+            **traffic,  # DDP: bytes this rank handed to collectives per training step
         }
         if cfg.precise_bn_batches:
             result.update(self.precise_bn(test))

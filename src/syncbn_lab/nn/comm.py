@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
+from syncbn_lab.traffic import TRAFFIC
+
 __all__ = [
     "Communicator",
     "LocalCommunicator",
@@ -51,6 +53,7 @@ class ProcessGroupCommunicator(Communicator):
         self.world_size = dist.get_world_size(process_group)
 
     def all_reduce_sum(self, t: Tensor) -> Tensor:
+        TRAFFIC.add("norm_statistics", t)
         # Looked up at call time so tests can count collectives by wrapping dist.all_reduce.
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.process_group)
         return t

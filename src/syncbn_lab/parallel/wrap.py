@@ -9,6 +9,7 @@ from torch import nn
 
 from syncbn_lab.parallel.bn_buffers import BNBuffers, DistributedBNBuffers, EmulatedBNBuffers
 from syncbn_lab.parallel.context import Runtime
+from syncbn_lab.traffic import count_ddp_traffic
 
 
 @dataclass
@@ -40,6 +41,7 @@ def parallelize(model: nn.Module, cfg: DictConfig, rt: Runtime) -> Parallel:
             find_unused_parameters=p.find_unused_parameters,
             **{sync_key: p.broadcast_buffers},
         )
+        count_ddp_traffic(ddp)  # summary.json's comm_*_bytes_per_step
         return Parallel(ddp, model, DistributedBNBuffers(model, p.dist_bn))
     if p.name == "emulated":
         from syncbn_lab.parallel.emulated import EmulatedDevices
