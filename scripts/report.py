@@ -1,7 +1,8 @@
 """Write the report of a sweep: `python scripts/report.py SWEEP_DIR [SWEEP_DIR ...]`.
 
 Reads every finished run (summary.json, metrics.jsonl) under the sweep dirs and writes
-results.csv, README.md and PNG plots into --out (default reports/bn_vs_syncbn).
+results.csv, README.md and PNG plots (test error against the per-device batch and against
+the normalisation batch, training-loss curves) into --out (default reports/bn_vs_syncbn).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from pathlib import Path
 
 from syncbn_lab.cli import exit_on_user_error
 from syncbn_lab.report import collect_failures, collect_runs, write_report
-from syncbn_lab.report.write import X_AXES
 
 
 def main() -> None:
@@ -25,17 +25,11 @@ def main() -> None:
         default=None,
         help="wall time of the sweep, to state in the report",
     )
-    parser.add_argument(
-        "--x",
-        choices=tuple(X_AXES),
-        default="per_device_batch_size",
-        help="x axis of the test-error plot (a summary.json key; default: %(default)s)",
-    )
     args = parser.parse_args()
     with exit_on_user_error():
         runs = collect_runs(*args.sweep_dirs)
         failures = collect_failures(*args.sweep_dirs)
-        write_report(runs, args.out, args.title, args.wall_time_s, failures, x_axis=args.x)
+        write_report(runs, args.out, args.title, args.wall_time_s, failures)
     missing = f" ({len(failures)} failed, marked missing)" if failures else ""
     print(f"{len(runs)} runs{missing} -> {args.out}/README.md, results.csv, *.png")
 

@@ -1,90 +1,225 @@
-"""The report from run dirs written by the test (a fake sweep with known numbers)."""
+"""The report from run dirs written by the test: a fake sweep with planted effects (BN
+loses from 8 images per device down, Batch Renormalization wins back half of it, SyncBN is
+flat up to a small noise) whose tables and reading are checked against the plant."""
 
 import csv
 import json
 import statistics
 
+import numpy as np
 import pytest
+from scipy import stats as scipy_stats
 
 from syncbn_lab.errors import UserError
 from syncbn_lab.report import collect_failures, collect_runs, write_report
 
+SEEDS = range(4)
+DEVICES = (1, 2, 4, 8, 16, 32, 64)
+SEED_OFFSET = [0.0, 0.4, -0.3, 0.2]
+# float32 noise of each run (sd 0.05 pp), drawn once for every (variant, seed, devices)
+NOISE = {
+    (bn, seed, devices): value
+    for bn, rng in (("bn", 1), ("sync", 2), ("brn", 3), ("gn", 4))
+    for seed, row in zip(SEEDS, np.random.default_rng(rng).normal(0, 0.05, (4, 7)), strict=True)
+    for devices, value in zip(DEVICES, row, strict=True)
+}
+BN_LOSS = {64: 0.0, 32: 0.0, 16: 0.0, 8: 0.6, 4: 1.2, 2: 2.5, 1: 30.0}  # pp of test error
+STEP_TIME = {"bn": 0.050, "sync": 0.080, "brn": 0.055, "gn": 0.060}
 
-def fake_run(root, bn, devices, seed, test_acc, precise=None, parallel="emulated", loss=0.1):
+
+def planted_error(bn, seed, devices):
+    """The test error of a run, as the report reads it back from test_acc."""
+    base = 10.0 + SEED_OFFSET[seed] + NOISE[(bn, seed, devices)]
+    loss = BN_LOSS[64 // devices]
+    error = {"sync": base, "bn": base + loss, "brn": base + loss / 2, "gn": base + 1.0}[bn]
+    return 100.0 - (100.0 - error)
+
+
+def fake_run(root, bn, devices, seed, error, parallel="emulated", loss=0.3, extra=None):
     run_dir = root / f"{bn}_{parallel}{devices}_s{seed}"
     run_dir.mkdir(parents=True)
+    per_device = 64 // devices
     summary = dict(
         bn=bn,
         parallel=parallel,
         devices=devices,
-        per_device_batch_size=64 // devices,
+        per_device_batch_size=per_device,
+        normalization_batch_size={"sync": 64, "gn": 1}.get(bn, per_device),
         global_batch_size=64,
         seed=seed,
-        test_acc=test_acc,
-        test_acc_precise_bn=precise,
+        test_acc=100.0 - error,
+        test_acc_precise_bn=None if bn == "gn" else 100.0 - error + 0.1,
         train_loss=loss,
         steps=10,
         wall_time_s=1.0,
-        dataset="mnist",
+        dataset="fashion_mnist",
         model="resnet8",
+        git_commit="abcdef1234567",
+        **(extra or {}),
     )
     (run_dir / "summary.json").write_text(json.dumps(summary))
     steps = [{"step": s, "train/loss": loss * (11 - s)} for s in range(1, 11)]
     (run_dir / "metrics.jsonl").write_text("\n".join(map(json.dumps, steps)) + "\n")
 
 
+def traffic(bn, devices):
+    norm = 8136 if bn == "sync" else 0
+    return {
+        "step_time_s": STEP_TIME[bn] * devices / 2,
+        "comm_bytes_per_step": 311016 + 2760 + norm,
+        "comm_gradients_bytes_per_step": 311016,
+        "comm_buffers_bytes_per_step": 2760,
+        "comm_norm_statistics_bytes_per_step": norm,
+        "comm_calls_per_step": 2 + 18 * (bn == "sync"),
+    }
+
+
 @pytest.fixture
 def sweep(tmp_path):
     root = tmp_path / "sweep"
-    accs = {
-        ("bn", 1): [99.0, 99.2, 99.1],
-        ("bn", 64): [80.0, 75.0, 70.0],
-        ("sync", 1): [99.0, 99.2, 99.1],
-        ("sync", 64): [99.1, 99.0, 99.2],
-    }
-    for (bn, devices), values in accs.items():
-        for seed, acc in enumerate(values):
-            fake_run(root, bn, devices, seed, acc, precise=acc + 1 if bn == "bn" else acc)
-    for seed in range(3):
-        fake_run(root, "gn", 1, seed, 98.5)
+    for seed in SEEDS:
+        for devices in DEVICES:
+            for bn in ("bn", "sync"):
+                loss = 0.3 + 0.01 * np.log2(devices) + NOISE[(bn, seed, devices)] / 100
+                fake_run(root, bn, devices, seed, planted_error(bn, seed, devices), loss=loss)
+        for devices in (8, 16, 32, 64):
+            fake_run(root, "brn", devices, seed, planted_error("brn", seed, devices))
+        fake_run(root, "gn", 1, seed, planted_error("gn", seed, 1))
     (root / "unfinished").mkdir()  # no summary.json: skipped
-    fake_run(tmp_path / "ddp", "sync", 64, 0, 99.1, parallel="ddp", loss=0.1 + 1e-7)
+    for bn, devices in (("bn", 2), ("bn", 4), ("sync", 2), ("sync", 4), ("brn", 2), ("gn", 2)):
+        error = planted_error("sync", 0, devices) + (0.02 if bn != "gn" else 1.0)
+        if bn == "bn":
+            error += BN_LOSS[64 // devices]
+        fake_run(
+            tmp_path / "ddp", bn, devices, 0, error, parallel="ddp", extra=traffic(bn, devices)
+        )
     return tmp_path
 
 
-def test_report_tables_csv_and_plots(sweep):
+@pytest.fixture
+def report(sweep):
     runs = collect_runs(sweep / "sweep", sweep / "ddp")
-    assert len(runs) == 16
-    out = sweep / "report"
-    write_report(runs, out, "Test report", sweep_wall_time_s=600)
-    rows = list(csv.DictReader(open(out / "results.csv")))
-    assert len(rows) == 16
-    assert {
-        "bn",
-        "parallel",
-        "devices",
-        "per_device_batch_size",
-        "global_batch_size",
-        "seed",
-        "test_acc",
-        "test_acc_precise_bn",
-        "train_loss",
-        "wall_time_s",
-    } <= rows[0].keys()
-    text = (out / "README.md").read_text()
-    # bn at 1 image per device: errors 20, 25, 30 -> 25.00 ± 5.00; PreciseBN 24.00 ± 5.00
-    errors = [100 - a for a in (80.0, 75.0, 70.0)]
-    assert f"{statistics.fmean(errors):.2f} ± {statistics.stdev(errors):.2f}" in text
-    assert "24.00 ± 5.00" in text
+    write_report(runs, sweep / "report", "Test report", sweep_wall_time_s=600)
+    return sweep / "report"
+
+
+def section(text, heading):
+    return text.split(f"## {heading}")[1].split("\n## ")[0]
+
+
+def table_rows(text):
+    return [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("|") and not line.startswith("|---")
+    ]
+
+
+def test_csv_has_every_run_and_no_machine_paths(report):
+    rows = list(csv.DictReader(open(report / "results.csv")))
+    assert len(rows) == 4 * (14 + 4 + 1) + 6
+    assert all("/" not in row["run_dir"] for row in rows)
+    ddp = [row for row in rows if row["parallel"] == "ddp"]
+    assert {row["comm_norm_statistics_bytes_per_step"] for row in ddp} == {"0", "8136"}
+    assert {row["git_commit"] for row in rows} == {"abcdef1234567"}
+
+
+def test_header_error_table_and_noise_floor(report):
+    text = (report / "README.md").read_text()
+    assert "4 seed(s) (0, 1, 2, 3), 82 runs" in text and "commit abcdef1." in text
     assert "10.0 minutes" in text
-    assert "| bn | 64 | 1 | 3 | +24.10 |" in text  # paired against devices=1, same seeds
-    # per-device BN, errors by images per device: 64 -> (1.0, 0.8, 0.9), 1 -> (20, 25, 30)
-    assert "Per-device BN** test error by images per device: 0.90 % at 64, 25.00 % at 1." in text
-    assert "Real DDP against the emulation" in text and "| sync | 64 | 0 | 99.10 | 99.10 |" in text
-    assert "| 1.0e-06 | 1.0e-06 |" in text  # final and first-step relative loss gaps
-    assert "SyncBN does not depend on the device count** — holds" in text
-    for png in ("test_error_vs_per_device_batch.png", "train_loss_curves.png"):
-        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    errors = [planted_error("bn", s, 64) for s in SEEDS]  # bn at 1 image per device
+    table = {row[0]: row for row in table_rows(section(text, "Test error"))}
+    assert table["1"][1] == f"{statistics.fmean(errors):.2f} ± {statistics.stdev(errors):.2f}"
+    assert table["64"][3] == "–"  # no brn at 64 images per device
+    # the floor: sync's within-seed spread over device counts is the planted noise
+    x = np.array([[planted_error("sync", s, d) for d in DEVICES] for s in SEEDS])
+    within = x - x.mean(axis=1, keepdims=True)
+    floor = np.sqrt((within**2).sum() / (4 * 6))
+    assert f"**{floor:.2f} pp** in test error" in section(text, "The float32 noise floor")
+
+
+def test_paired_comparisons_against_the_largest_per_device_batch(report):
+    text = (report / "README.md").read_text()
+    rows = {(r[0], r[1]): r for r in table_rows(section(text, "Against per-device BN"))[1:]}
+    for devices in (2, 4, 8, 16, 32, 64):
+        bn = [planted_error("bn", s, devices) for s in SEEDS]
+        one = [planted_error("bn", s, 1) for s in SEEDS]
+        diffs = np.subtract(bn, one)
+        row = rows[("bn", str(64 // devices))]
+        assert row[4] == f"{diffs.mean():+.2f} ± {diffs.std(ddof=1):.2f}"
+        assert row[5] == f"{scipy_stats.ttest_rel(bn, one).pvalue:.2g}"
+    assert rows[("sync", "1")][2] == "64"  # the normalisation batch of sync is the global one
+    assert rows[("brn", "8")][2] == "8"
+
+
+def test_recovery_of_bns_loss(report):
+    text = (report / "README.md").read_text()
+    rows = table_rows(section(text, "Recovering BN's loss"))[1:]
+
+    def mean_diff(variant, reference, devices):
+        return np.mean([planted_error(variant, s, devices) - planted_error(reference, s, devices)
+                        for s in SEEDS])  # fmt: skip
+
+    brn = {row[0]: row for row in rows if row[3] == "brn (EMA)"}
+    assert sorted(brn, key=int) == ["1", "2", "4", "8"]
+    for batch, row in brn.items():
+        devices = 64 // int(batch)
+        bn_loss, remaining = mean_diff("bn", "sync", devices), mean_diff("brn", "sync", devices)
+        assert row[1].startswith(f"{bn_loss:+.2f} ± ")
+        assert row[5].startswith(f"{remaining:+.2f} ± ")
+        assert row[9] == f"{100 * (1 - remaining / bn_loss):.0f} %"
+        assert abs(remaining / bn_loss - 0.5) < 0.15  # the planted half, up to the noise
+    gn = {row[0]: row for row in rows if row[3] == "gn"}
+    gn_remaining = np.mean(
+        [planted_error("gn", s, 1) - planted_error("sync", s, 64) for s in SEEDS]
+    )
+    assert gn["1"][9] == f"{100 * (1 - gn_remaining / mean_diff('bn', 'sync', 64)):.0f} %"
+
+
+def test_cost_and_spot_check(report):
+    text = (report / "README.md").read_text()
+    cost = {(r[0], r[1]): r for r in table_rows(section(text, "Cost under real DDP"))[1:]}
+    assert cost[("sync", "2")][3:6] == ["80.0", f"{0.080 / 0.050:.2f}", "321,912"]
+    assert cost[("sync", "2")][8:] == ["8,136", "20"]
+    assert cost[("gn", "2")][4] == f"{0.060 / 0.050:.2f}"
+    assert [r[0] for r in cost.values() if r[1] == "2"] == ["bn", "brn", "sync", "gn"]
+    spot = {(r[0], r[1]): r for r in table_rows(section(text, "Real DDP against the emulation"))}
+    assert spot[("sync", "4")][5] == "+0.02"  # DDP - emulated, as planted
+    assert ("gn", "2") not in spot  # no emulated twin
+
+
+def test_reading_says_what_holds(report):
+    text = (report / "README.md").read_text()
+    reading = section(text, "Reading")
+    assert "**SyncBN is flat across device counts** — holds" in reading
+    assert "shrinks** — holds: significantly worse than at 64" in reading
+    assert "from **8 images per device** down" in reading
+    assert "**Batch Renormalization recovers part of BN's loss wherever BN loses** (at 8, 4, " in (
+        reading
+    )
+    assert "rises at every halving of the per-device batch** — holds" in reading
+    assert "**Test error follows the normalisation batch**" in reading
+    anchors = section(text, "Anchors")
+    assert "Wu & He 2018" in anchors and "Kosson et al. 2024" in anchors and "Ioffe 2017" in anchors
+    for png in (
+        "test_error_vs_per_device_batch.png",
+        "test_error_vs_normalization_batch.png",
+        "train_loss_curves.png",
+    ):
+        assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"![{png}]({png})" in text
+
+
+def test_an_effect_in_sync_is_reported_as_not_flat(sweep):
+    for seed in SEEDS:  # sync at 64 devices 3 pp worse: not the same model any more
+        path = sweep / "sweep" / f"sync_emulated64_s{seed}" / "summary.json"
+        summary = json.loads(path.read_text())
+        summary["test_acc"] -= 3.0
+        path.write_text(json.dumps(summary))
+    write_report(collect_runs(sweep / "sweep"), sweep / "out", "t")
+    text = (sweep / "out" / "README.md").read_text()
+    assert "**SyncBN is flat across device counts** — does not hold" in text
 
 
 def test_no_runs_is_a_clear_error(tmp_path):
@@ -92,6 +227,16 @@ def test_no_runs_is_a_clear_error(tmp_path):
         collect_runs(tmp_path)
     with pytest.raises(UserError, match="does not exist"):
         collect_runs(tmp_path / "missing")
+
+
+def test_runs_without_the_normalisation_batch_are_refused_before_anything_is_written(sweep):
+    path = sweep / "sweep" / "bn_emulated2_s0" / "summary.json"
+    summary = json.loads(path.read_text())
+    del summary["normalization_batch_size"]
+    path.write_text(json.dumps(summary))
+    with pytest.raises(UserError, match="1 run.* no normalization_batch_size"):
+        write_report(collect_runs(sweep / "sweep"), sweep / "out", "t")
+    assert not (sweep / "out").exists()
 
 
 def fake_failure(root, bn, devices, seed, reason, finished_later=False):
@@ -102,39 +247,35 @@ def fake_failure(root, bn, devices, seed, reason, finished_later=False):
     cell["per_device_batch_size"] = 64 // devices if 64 % devices == 0 else 64 / devices
     (run_dir / "error.json").write_text(json.dumps({"error": reason, **cell}))
     if finished_later:  # a resumed sweep finished it: not a failure any more
-        (run_dir / "summary.json").write_text(json.dumps({**cell, "test_acc": 99.0, "steps": 9}))
+        done = {**cell, "test_acc": 99.0, "steps": 9, "normalization_batch_size": 64 // devices}
+        (run_dir / "summary.json").write_text(json.dumps(done))
 
 
 def test_failed_runs_are_listed_and_their_cells_marked_missing(sweep):
     root = sweep / "sweep"
-    fake_failure(root, "sync", 64, 3, "rank 1 failed: RuntimeError: boom")
-    fake_failure(root, "bn", 2, 0, "rank 0 failed: RuntimeError: boom")
+    for seed in SEEDS:  # every bn run at 2 images per device failed
+        (root / f"bn_emulated32_s{seed}" / "summary.json").unlink()
+        fake_failure(root, "bn", 32, seed, "rank 0 failed: RuntimeError: boom")
+    fake_failure(root, "sync", 64, 4, "rank 1 failed: RuntimeError: boom")
     fake_failure(root, "bn", 3, 0, "trainer.global_batch_size=64 is not divisible | by 3")
-    fake_failure(root, "bn", 4, 0, "fixed by the resume", finished_later=True)
+    fake_failure(root, "bn", 4, 7, "fixed by the resume", finished_later=True)
     (root / "cut_short").mkdir()
     (root / "cut_short" / "summary.json").write_text('{"bn": "bn", "devices": 1')  # killed
     failures = collect_failures(root)
-    assert sorted(f.run_dir.name for f in failures) == [
-        "bn_emulated2_s0_failed",
-        "bn_emulated3_s0_failed",
-        "sync_emulated64_s3_failed",
-    ]
+    assert len(failures) == 6 and "bn_emulated4_s7_failed" not in {f.run_dir.name for f in failures}
     runs = collect_runs(root)
-    assert len(runs) == 16  # the resumed one counts, the cut-short one does not
+    assert len(runs) == 4 * 19 - 4 + 1  # the resumed one counts, the cut-short one does not
     write_report(runs, sweep / "report", "Test report", failures=failures)
     text = (sweep / "report" / "README.md").read_text()
-    assert "**3 run(s) failed**" in text
+    assert "**6 run(s) failed**" in text
     assert (
-        "| sync | emulated | 64 | 1 | 3 | rank 1 failed: RuntimeError: boom | "
-        "sync_emulated64_s3_failed |" in text
+        "| sync | emulated | 64 | 1 | 4 | rank 1 failed: RuntimeError: boom | "
+        "sync_emulated64_s4_failed |" in text
     )
     assert "| bn | emulated | 3 | 21.3333 | 0 | trainer.global_batch_size=64 is not divisible " in (
         text
     )
     assert "\\| by 3 |" in text  # a | in the reason does not break the table
-    # 3 of 4 seeds of sync at 1 image per device finished; no bn run at 32 images per device
-    table = text.split("## Test error")[1].split("##")[0]
-    rows = {line.split(" | ")[0]: line.split(" | ") for line in table.splitlines() if "|" in line}
-    assert rows["| 1"][3] == "0.90 ± 0.10 (1 missing)"  # sync (EMA): seeds 0-2 of 0-3
-    assert rows["| 32"][1:3] == ["– missing", "– missing"]  # bn (EMA, PreciseBN)
-    assert rows["| 16"][1] == "1.00 ± 0.00"  # bn (EMA): the resumed run, not missing
+    table = {row[0]: row for row in table_rows(section(text, "Test error"))}
+    assert table["2"][1:3] == ["– missing", "– missing"]  # bn (EMA, PreciseBN)
+    assert table["1"][5].endswith("(1 missing)")  # sync (EMA): 4 of 5 seeds finished

@@ -76,3 +76,21 @@ def test_cfg_job_prints_composed_config(tmp_path):
     assert out.returncode == 0, out.stderr
     cfg = OmegaConf.create(out.stdout)
     assert cfg.bn.name == "gn" and cfg.model.name == "resnet8"
+
+
+@pytest.mark.parametrize(
+    "experiment,dataset,seeds",
+    [("bn_vs_syncbn", "fashion_mnist", 4), ("bn_vs_syncbn_mnist", "mnist", 3)],
+)
+def test_study_experiments(experiment, dataset, seeds):
+    """The two studies: the experiment names its dataset and study, emulates devices at a
+    fixed global batch, and its sweep grid is bn and sync x 1 ... 64 devices x the seeds."""
+    cfg = compose_config([f"experiment={experiment}"])
+    assert (cfg.data.name, cfg.model.name, cfg.parallel.name) == (dataset, "resnet8", "emulated")
+    assert cfg.trainer.global_batch_size == 64
+    assert cfg.trainer.precise_bn_batches > 0 and cfg.trainer.precision == "fp32"
+    validate(cfg)
+    grid = OmegaConf.load(Path(CONFIG_DIR) / "experiment" / f"{experiment}.yaml").hydra.sweeper
+    assert grid.params.bn == "bn,sync"
+    assert grid.params["parallel.devices"] == "1,2,4,8,16,32,64"
+    assert len(str(grid.params["trainer.seed"]).split(",")) == seeds

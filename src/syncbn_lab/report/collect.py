@@ -25,9 +25,17 @@ CSV_COLUMNS = (
     "test_error_precise_bn",
     "train_loss",
     "steps",
+    "step_time_s",
+    "comm_bytes_per_step",
+    "comm_gradients_bytes_per_step",
+    "comm_buffers_bytes_per_step",
+    "comm_norm_statistics_bytes_per_step",
     "wall_time_s",
+    "git_commit",
     "run_dir",
 )
+"""results.csv's columns; run_dir is the run's folder name inside its sweep dir (no machine
+paths), the comm_* columns are filled for real DDP runs only."""
 
 
 @dataclass
@@ -51,7 +59,7 @@ class Run:
         return math.nan if acc is None else 100.0 - acc
 
     def row(self) -> dict[str, Any]:
-        values = {**self.summary, "run_dir": str(self.run_dir)}
+        values = {**self.summary, "run_dir": self.run_dir.name}
         values["test_error"] = self.test_error
         values["test_error_precise_bn"] = self.test_error_precise_bn
         return {key: values.get(key) for key in CSV_COLUMNS}
@@ -101,10 +109,20 @@ def collect_runs(*sweep_dirs: Path) -> list[Run]:
             summary = finished_summary(run_dir)
             if summary is None:
                 continue  # cut short by an interruption
+            summary.setdefault("precision", _precision(run_dir / "config.yaml"))
             runs.append(Run(run_dir, summary, _loss_curve(run_dir / "metrics.jsonl")))
     if not runs:
         raise UserError(f"no finished runs (summary.json) under {', '.join(map(str, sweep_dirs))}")
     return runs
+
+
+def _precision(config: Path) -> str | None:
+    """trainer.precision from a run's resolved config.yaml (summary.json does not hold it)."""
+    if not config.exists():
+        return None
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(OmegaConf.load(config), "trainer.precision")
 
 
 def _loss_curve(metrics: Path) -> list[tuple[int, float]]:

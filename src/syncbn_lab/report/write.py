@@ -1,34 +1,43 @@
-"""Write results.csv, README.md (tables, paired comparisons, a reading) and PNG plots."""
+"""Write results.csv, README.md (tables, paired tests, the cost table, a reading) and plots.
+
+The reading is generated from the runs: each claim is stated with its figure, its
+uncertainty and "holds" or "does not hold" from the tests in :mod:`syncbn_lab.report.stats`.
+"""
 
 from __future__ import annotations
 
 import csv
 import math
-import statistics
 from collections import defaultdict
 from pathlib import Path
 
 from syncbn_lab.errors import UserError
+from syncbn_lab.report import stats
 from syncbn_lab.report.collect import CSV_COLUMNS, Failure, Run
+from syncbn_lab.report.plots import X_AXES, write_plots
+from syncbn_lab.report.stats import Paired, by_seed, mean_std, paired
 
 # Wu & He, "Group Normalization" (ECCV 2018), Table 3: ResNet-50 on ImageNet, BN computed
-# per GPU, validation error (%) by images per GPU.
+# per GPU, validation error (%) by images per GPU; GroupNorm stays at about 24.1 %.
 GN_PAPER_BN_ERROR = {32: 23.6, 16: 23.7, 8: 24.8, 4: 27.3, 2: 34.7}
+GN_PAPER_GN_ERROR = 24.1
 VARIANT_ORDER = ("bn", "brn", "sync", "torch_sync", "gn")
+SMALL_BATCH = 8
+"""Per-device batches at or below this are where the recovery of BN's loss is measured."""
+NOTES = "NOTES.md"
+"""Hand-written observations kept next to a report (not regenerated); linked when present."""
 
 
-X_AXES = {
-    "per_device_batch_size": "images per device (global batch fixed)",
-    "normalization_batch_size": "images per normalisation batch (global batch fixed)",
-}
-"""What the test-error plot can use as its x axis (``--x``): a summary.json key -> its label."""
+def test_error(run: Run) -> float:
+    return run.test_error
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    values = [v for v in values if v is not None and not math.isnan(v)]
-    if not values:
-        return math.nan, math.nan
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+def test_error_precise_bn(run: Run) -> float:
+    return run.test_error_precise_bn
+
+
+def train_loss(run: Run) -> float:
+    return run["train_loss"]
 
 
 def fmt(mean: float, std: float, digits: int = 2) -> str:
@@ -37,40 +46,25 @@ def fmt(mean: float, std: float, digits: int = 2) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
-def group(runs: list[Run], *keys: str) -> dict[tuple, list[Run]]:
-    groups: dict[tuple, list[Run]] = defaultdict(list)
+def fmt_p(p: float) -> str:
+    return "–" if math.isnan(p) else f"{p:.2g}"
+
+
+def fmt_paired(d: Paired, digits: int = 2) -> str:
+    if d.n == 0:
+        return "–"
+    return f"{d.mean:+.{digits}f} ± {d.std:.{digits}f}"
+
+
+def verdict(holds: bool) -> str:
+    return "holds" if holds else "does not hold"
+
+
+def group(runs, *keys: str) -> dict[tuple, list]:
+    groups: dict[tuple, list] = defaultdict(list)
     for run in runs:
         groups[tuple(run[k] for k in keys)].append(run)
     return groups
-
-
-def paired_vs_one_device(runs: list[Run], variant: str) -> list[dict]:
-    """For each device count, the per-seed difference in test error against devices=1."""
-    from scipy import stats
-
-    by_devices = group([r for r in runs if r["bn"] == variant], "devices")
-    base = {r["seed"]: r.test_error for r in by_devices.get((1,), [])}
-    rows = []
-    for (devices,), members in sorted(by_devices.items()):
-        if devices == 1:
-            continue
-        pairs = [(r.test_error, base[r["seed"]]) for r in members if r["seed"] in base]
-        if not pairs:
-            continue
-        diffs = [a - b for a, b in pairs]
-        p = math.nan
-        if len(pairs) > 1 and statistics.pstdev(diffs) > 0:
-            p = float(stats.ttest_rel([a for a, _ in pairs], [b for _, b in pairs]).pvalue)
-        rows.append(
-            {
-                "devices": devices,
-                "per_device": members[0]["per_device_batch_size"],
-                "n": len(pairs),
-                "diff": statistics.fmean(diffs),
-                "p": p,
-            }
-        )
-    return rows
 
 
 def write_report(
@@ -79,32 +73,31 @@ def write_report(
     title: str,
     sweep_wall_time_s: float | None = None,
     failures: list[Failure] = (),
-    *,
-    x_axis: str = "per_device_batch_size",
 ) -> None:
     """results.csv, README.md and the plots of ``runs`` into ``out_dir``; the cells of
     ``failures`` are marked missing, with each failed run's one-line reason."""
-    _check_x_axis(runs, x_axis)  # before anything is written
+    _check_normalization_batch(runs)  # before anything is written
     out_dir.mkdir(parents=True, exist_ok=True)
     emulated_or_single = [r for r in runs if r["parallel"] != "ddp"]
     ddp = [r for r in runs if r["parallel"] == "ddp"]
     main = emulated_or_single or runs
     _write_csv(runs, out_dir / "results.csv")
-    plots = _plots(main, out_dir, x_axis)
-    text = _markdown(main, ddp, title, plots, sweep_wall_time_s, list(failures))
+    plots = write_plots(main, out_dir, _variants(main))
+    report = Report(main, ddp if emulated_or_single else [], list(failures))
+    text = report.markdown(title, plots, sweep_wall_time_s)
     if (out_dir / NOTES).exists():
-        text += f"\nMore observations on this run, written by hand: [{NOTES}]({NOTES}).\n"
+        text += (
+            f"\nHow the study was designed and more observations, by hand: [{NOTES}]({NOTES}).\n"
+        )
     (out_dir / "README.md").write_text(text)
 
 
-def _check_x_axis(runs: list[Run], x_axis: str) -> None:
-    if x_axis not in X_AXES:
-        raise UserError(f"unknown x axis {x_axis!r}; choose one of {', '.join(X_AXES)}")
-    lacking = [r for r in runs if not isinstance(r[x_axis], int)]
+def _check_normalization_batch(runs: list[Run]) -> None:
+    lacking = [r for r in runs if not isinstance(r["normalization_batch_size"], int)]
     if lacking:
         raise UserError(
-            f"{len(lacking)} run(s) have no {x_axis} in summary.json (e.g. "
-            f"{lacking[0].run_dir}); rerun them, or plot against --x per_device_batch_size"
+            f"{len(lacking)} run(s) have no normalization_batch_size in summary.json (e.g. "
+            f"{lacking[0].run_dir}); rerun them with the current code"
         )
 
 
@@ -121,82 +114,468 @@ def _variants(runs: list[Run]) -> list[str]:
     return [v for v in VARIANT_ORDER if v in present] + sorted(present - set(VARIANT_ORDER))
 
 
-def _markdown(runs, ddp, title, plots, sweep_wall_time_s, failures) -> str:
-    variants = _variants(runs)
-    failed_cells = group(failures, "bn", "per_device_batch_size")
-    batches = {r["per_device_batch_size"] for r in runs if r["bn"] != "gn"}
-    batches |= {f["per_device_batch_size"] for f in failures if f["bn"] in variants}
-    batches = sorted((b for b in batches if isinstance(b, int)), reverse=True)
-    cells = group(runs, "bn", "per_device_batch_size")
-    any_run = runs[0]
-    seeds = sorted({r["seed"] for r in runs})
-    lines = [
-        f"# {title}",
-        "",
-        f"{any_run['model']} on {any_run['dataset']}, global batch "
-        f"{any_run['global_batch_size']}, {len(seeds)} seed(s) ({', '.join(map(str, seeds))}), "
-        f"{len(runs)} runs, parallel mode(s): "
-        f"{', '.join(sorted({r['parallel'] for r in runs}))}.",
-    ]
-    if sweep_wall_time_s is not None:
-        lines.append(f"The sweep took {sweep_wall_time_s / 60:.1f} minutes of wall time.")
-    if failures:
-        lines += _missing_section(failures)
-    lines += ["", "## Test error (%), mean ± std over seeds", ""]
-    header = "| images per device | " + " | ".join(
-        f"{v} (EMA) | {v} (PreciseBN)" for v in variants if v != "gn"
-    )
-    lines += [header + " |", "|" + "---|" * (1 + 2 * len([v for v in variants if v != "gn"]))]
-    for b in batches:
-        row = [str(b)]
-        for v in variants:
-            if v == "gn":
+class Report:
+    """The figures of one sweep: emulated (or single-device) ``runs``, real ``ddp`` runs."""
+
+    def __init__(self, runs: list[Run], ddp: list[Run], failures: list[Failure]):
+        self.runs, self.ddp, self.failures = runs, ddp, failures
+        self.variants = _variants(runs)
+        self.cells = group(runs, "bn", "per_device_batch_size")
+        self.failed_cells = group(failures, "bn", "per_device_batch_size")
+        batches = {r["per_device_batch_size"] for r in runs if r["bn"] != "gn"}
+        batches |= {f["per_device_batch_size"] for f in failures if f["bn"] in self.variants}
+        self.batches = sorted((b for b in batches if isinstance(b, int)), reverse=True)
+        self.gn = [r for r in runs if r["bn"] == "gn"]
+        sync = [r for r in runs if r["bn"] == "sync"]
+        self.floor = stats.noise_floor(sync, test_error) if sync else None
+        self.loss_floor = stats.noise_floor(sync, train_loss) if sync else None
+        bn_batches = [b for b in self.batches if self.cells.get(("bn", b))]
+        self.largest = bn_batches[0] if bn_batches else None
+        self.base = by_seed(self.cells.get(("bn", self.largest), []), test_error)
+
+    def seeds(self, variant: str, batch: int, value=test_error) -> dict[int, float]:
+        return by_seed(self.cells.get((variant, batch), []), value)
+
+    def against_largest(self, variant: str) -> dict[int, Paired]:
+        """Per-device batch -> paired test error difference against per-device BN at the
+        largest per-device batch (one device: every variant but gn is then the same model)."""
+        out = {}
+        for b in self.batches:
+            if b == self.largest or not self.cells.get((variant, b)):
                 continue
-            members = cells.get((v, b), [])
-            note = _missing_note(len(failed_cells.get((v, b), [])), bool(members))
-            row.append(fmt(*mean_std([r.test_error for r in members])) + note)
-            row.append(fmt(*mean_std([r.test_error_precise_bn for r in members])) + note)
-        lines.append("| " + " | ".join(row) + " |")
-    gn_runs = [r for r in runs if r["bn"] == "gn"]
-    if gn_runs:
-        lines += [
+            out[b] = paired(self.seeds(variant, b), self.base)
+        return out
+
+    # -- the document ------------------------------------------------------------
+    def markdown(self, title: str, plots: list[str], wall_time_s: float | None) -> str:
+        any_run = self.runs[0]
+        seeds = sorted({r["seed"] for r in self.runs})
+        commits = sorted({r["git_commit"][:7] for r in self.runs + self.ddp if r["git_commit"]})
+        lines = [
+            f"# {title}",
             "",
-            f"GroupNorm (batch-independent reference): "
-            f"{fmt(*mean_std([r.test_error for r in gn_runs]))} % test error.",
+            f"{any_run['model']} on {any_run['dataset']}, global batch "
+            f"{any_run['global_batch_size']}, {len(seeds)} seed(s) "
+            f"({', '.join(map(str, seeds))}), {len(self.runs) + len(self.ddp)} runs, parallel "
+            f"mode(s): {', '.join(sorted({r['parallel'] for r in self.runs + self.ddp}))}, "
+            f"precision {any_run['precision'] or 'fp32'}, "
+            f"commit {', '.join(commits) or 'unknown'}.",
         ]
-    lines += ["", "## Final training loss (mean over the last epoch), mean ± std", ""]
-    lines += [
-        "| images per device | " + " | ".join(variants) + " |",
-        "|" + "---|" * (1 + len(variants)),
-    ]
-    for b in batches:
-        row = [str(b)]
-        for v in variants:
-            members = cells.get((v, b), [])
-            row.append(fmt(*mean_std([r["train_loss"] for r in members]), digits=4))
-        lines.append("| " + " | ".join(row) + " |")
-    lines += [
-        "",
-        "## Paired comparison against 1 device (same seed)",
-        "",
-        "Difference in test error (percentage points) of each device count against "
-        "devices = 1 with the same seed; p from a paired t-test over seeds.",
-        "",
-        "| bn | devices | images per device | seeds | Δ error (pp) | p |",
-        "|---|---|---|---|---|---|",
-    ]
-    for v in variants:
-        for row in paired_vs_one_device(runs, v):
-            p = "–" if math.isnan(row["p"]) else f"{row['p']:.3g}"
+        if wall_time_s is not None:
+            lines.append(f"The sweep took {wall_time_s / 60:.1f} minutes of wall time.")
+        if self.failures:
+            lines += _missing_section(self.failures)
+        lines += self.error_table()
+        lines += self.noise_section()
+        lines += self.paired_section()
+        lines += self.recovery_section()
+        lines += self.loss_table()
+        if self.ddp:
+            lines += self.cost_section()
+            lines += self.spot_check_section()
+        lines += ["", "## Plots", ""] + [f"![{name}]({name})" for name in plots]
+        lines += self.anchors_section()
+        lines += ["", "## Reading", ""] + self.reading()
+        return "\n".join(lines) + "\n"
+
+    def error_table(self) -> list[str]:
+        shown = [v for v in self.variants if v != "gn"]
+        lines = ["", "## Test error (%), mean ± std over seeds", ""]
+        header = "| images per device | " + " | ".join(
+            f"{v} (EMA) | {v} (PreciseBN)" for v in shown
+        )
+        lines += [header + " |", "|" + "---|" * (1 + 2 * len(shown))]
+        for b in self.batches:
+            row = [str(b)]
+            for v in shown:
+                members = self.cells.get((v, b), [])
+                note = _missing_note(len(self.failed_cells.get((v, b), [])), bool(members))
+                row.append(fmt(*mean_std([r.test_error for r in members])) + note)
+                row.append(fmt(*mean_std([r.test_error_precise_bn for r in members])) + note)
+            lines.append("| " + " | ".join(row) + " |")
+        counts = sorted({len(m) for (v, _), m in self.cells.items() if v != "gn"})
+        lines += ["", f"Seeds per cell: {', '.join(map(str, counts))}."]
+        if self.gn:
             lines.append(
-                f"| {v} | {row['devices']} | {row['per_device']} | {row['n']} | "
-                f"{row['diff']:+.2f} | {p} |"
+                f"GroupNorm (batch-independent, run once per seed): "
+                f"{fmt(*mean_std([r.test_error for r in self.gn]))} % test error "
+                f"(n = {len(self.gn)})."
             )
-    if ddp:
-        lines += _ddp_section(runs, ddp)
-    lines += ["", "## Plots", ""] + [f"![{name}]({name})" for name in plots]
-    lines += ["", "## Reading", ""] + _reading(runs, cells, batches)
-    return "\n".join(lines) + "\n"
+        return lines
+
+    def noise_section(self) -> list[str]:
+        if self.floor is None:
+            return []
+        f, loss = self.floor, self.loss_floor
+        return [
+            "",
+            "## The float32 noise floor",
+            "",
+            "SyncBN runs of one seed at different device counts are the same model in exact "
+            "arithmetic (proven in float64 by tests/parallel and reports/exactness), so their "
+            "spread is float32 rounding amplified by training. Pooled within-seed standard "
+            f"deviation of one run ({f.seeds} seeds × {f.device_counts} device counts, "
+            f"{f.df} degrees of freedom): **{f.std:.2f} pp** in test error, "
+            f"{loss.std:.4f} in the final training loss. A difference of two runs has a noise "
+            f"of √2 × that: {math.sqrt(2) * f.std:.2f} pp.",
+        ]
+
+    def paired_section(self) -> list[str]:
+        lines = [
+            "",
+            f"## Against per-device BN at {self.largest} images per device (same seed)",
+            "",
+            "Δ = test error minus that of the bn run at the largest per-device batch with the "
+            "same seed (mean ± std over seeds, percentage points); p from a paired t-test; "
+            "the last column sets Δ against the noise of a difference of two runs.",
+            "",
+            "| variant | images per device | normalisation batch | n | Δ error (pp) | p | "
+            "Δ / noise |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        noise = math.sqrt(2) * self.floor.std if self.floor else 0.0
+        for v in self.variants:
+            for b, d in self.against_largest(v).items():
+                norm = self.cells[(v, b)][0]["normalization_batch_size"]
+                ratio = f"{d.mean / noise:+.1f}" if noise > 0 else "–"
+                lines.append(
+                    f"| {v} | {b} | {norm} | {d.n} | {fmt_paired(d)} | {fmt_p(d.p)} | {ratio} |"
+                )
+        return lines
+
+    def recovery_rows(self) -> list[dict]:
+        """At each small per-device batch: BN's loss against SyncBN at the same device count,
+        and what PreciseBN, Batch Renormalization and GroupNorm make of it."""
+        rows = []
+        gn = by_seed(self.gn, test_error)
+        for b in self.batches:
+            if b > SMALL_BATCH or not self.cells.get(("bn", b)) or not self.cells.get(("sync", b)):
+                continue
+            sync = self.seeds("sync", b)
+            bn = self.seeds("bn", b)
+            bn_loss = paired(bn, sync)
+            candidates = {
+                "bn (PreciseBN)": self.seeds("bn", b, test_error_precise_bn),
+                "brn (EMA)": self.seeds("brn", b),
+                "brn (PreciseBN)": self.seeds("brn", b, test_error_precise_bn),
+                "gn": gn,
+            }
+            for name, values in candidates.items():
+                if not values:
+                    continue
+                vs_sync = paired(values, sync)
+                rows.append(
+                    {
+                        "batch": b,
+                        "variant": name,
+                        "error": mean_std(values.values()),
+                        "bn_loss": bn_loss,
+                        "vs_sync": vs_sync,
+                        "vs_bn": paired(values, bn),
+                        "recovered": stats.recovered(bn_loss.mean, vs_sync.mean),
+                    }
+                )
+        return rows
+
+    def recovery_section(self) -> list[str]:
+        rows = self.recovery_rows()
+        if not rows:
+            return []
+        lines = [
+            "",
+            f"## Recovering BN's loss at {SMALL_BATCH} or fewer images per device",
+            "",
+            "BN's loss = bn's test error minus SyncBN's at the same device count and seed. Each "
+            "remedy is compared, seed by seed, with SyncBN (its remaining loss) and with bn "
+            "(what it wins); recovered = 1 − remaining / BN's loss.",
+            "",
+            "| images per device | BN's loss (pp) | p | remedy | error (%) | remaining vs sync "
+            "(pp) | p | vs bn (pp) | p | recovered |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in rows:
+            rec = "–" if math.isnan(row["recovered"]) else f"{100 * row['recovered']:.0f} %"
+            lines.append(
+                f"| {row['batch']} | {fmt_paired(row['bn_loss'])} | {fmt_p(row['bn_loss'].p)} | "
+                f"{row['variant']} | {fmt(*row['error'])} | {fmt_paired(row['vs_sync'])} | "
+                f"{fmt_p(row['vs_sync'].p)} | {fmt_paired(row['vs_bn'])} | "
+                f"{fmt_p(row['vs_bn'].p)} | {rec} |"
+            )
+        return lines
+
+    def loss_table(self) -> list[str]:
+        lines = ["", "## Final training loss (mean over the last epoch), mean ± std", ""]
+        lines += [
+            "| images per device | " + " | ".join(self.variants) + " |",
+            "|" + "---|" * (1 + len(self.variants)),
+        ]
+        for b in self.batches:
+            row = [str(b)]
+            for v in self.variants:
+                members = self.cells.get((v, b), [])
+                row.append(fmt(*mean_std([r["train_loss"] for r in members]), digits=4))
+            lines.append("| " + " | ".join(row) + " |")
+        return lines
+
+    def cost_section(self) -> list[str]:
+        cells = group(self.ddp, "bn", "devices")
+        reference = {
+            d: mean_std([r["step_time_s"] for r in m])[0]
+            for (v, d), m in cells.items()
+            if v == "bn"
+        }
+        lines = [
+            "",
+            "## Cost under real DDP (gloo, CPU processes on this machine)",
+            "",
+            "Step time: training time over optimizer steps of rank 0 (data loading included; "
+            "1 thread per rank). Bytes: what each rank hands to collectives per step, counted "
+            "at the calls (syncbn_lab.traffic): gradient buckets, DDP's broadcast of rank 0's "
+            "buffers, SyncBN's statistics. A ring all-reduce puts about 2 (N − 1) / N of its "
+            "payload on the wire per rank.",
+            "",
+            "| bn | ranks | runs | step time (ms) | × bn | bytes per step | gradients | buffers "
+            "| norm statistics | collectives per step |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        order = {v: i for i, v in enumerate(VARIANT_ORDER)}
+        for (v, d), members in sorted(
+            cells.items(), key=lambda c: (c[0][1], order.get(c[0][0], 9))
+        ):
+            step = mean_std([r["step_time_s"] for r in members])[0]
+            ratio = f"{step / reference[d]:.2f}" if reference.get(d) else "–"
+
+            def per_step(key: str, members=members) -> str:
+                value = mean_std([r[key] for r in members])[0]
+                return "–" if math.isnan(value) else f"{value:,.0f}"
+
+            lines.append(
+                f"| {v} | {d} | {len(members)} | {1000 * step:.1f} | {ratio} | "
+                f"{per_step('comm_bytes_per_step')} | {per_step('comm_gradients_bytes_per_step')} "
+                f"| {per_step('comm_buffers_bytes_per_step')} | "
+                f"{per_step('comm_norm_statistics_bytes_per_step')} | "
+                f"{per_step('comm_calls_per_step')} |"
+            )
+        return lines
+
+    def spot_check_section(self) -> list[str]:
+        twins = {(r["bn"], r["devices"], r["seed"]): r for r in self.runs}
+        pairs = [
+            (r, twins[(r["bn"], r["devices"], r["seed"])])
+            for r in sorted(self.ddp, key=lambda r: (r["bn"], r["devices"], r["seed"]))
+            if (r["bn"], r["devices"], r["seed"]) in twins
+        ]
+        if not pairs:
+            return []
+        err, loss = self.floor, self.loss_floor
+        lines = [
+            "",
+            "## Real DDP against the emulation",
+            "",
+            "Real gloo DDP runs next to their emulated twins (same bn, devices, seed): the same "
+            "computation in exact arithmetic, so they may differ by the float32 noise floor "
+            "only"
+            + (
+                f" (one run: {err.std:.2f} pp test error, {loss.std:.4f} final training loss; "
+                f"a difference of two runs: {math.sqrt(2) * err.std:.2f} pp, "
+                f"{math.sqrt(2) * loss.std:.4f})."
+                if err
+                else "."
+            ),
+            "",
+            "| bn | devices | seed | test error DDP | emulated | Δ (pp) | Δ / noise | "
+            "train loss DDP | emulated | Δ | Δ / noise | Δ loss at first logged step (rel.) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r, twin in pairs:
+            d_err = r.test_error - twin.test_error
+            d_loss = r["train_loss"] - twin["train_loss"]
+            e_ratio = _ratio(d_err, math.sqrt(2) * err.std) if err else "–"
+            l_ratio = _ratio(d_loss, math.sqrt(2) * loss.std) if loss else "–"
+            lines.append(
+                f"| {r['bn']} | {r['devices']} | {r['seed']} | {r.test_error:.2f} | "
+                f"{twin.test_error:.2f} | {d_err:+.2f} | {e_ratio} | {r['train_loss']:.4f} | "
+                f"{twin['train_loss']:.4f} | {d_loss:+.4f} | {l_ratio} | "
+                f"{_first_loss_gap(r, twin)} |"
+            )
+        return lines
+
+    def anchors_section(self) -> list[str]:
+        bn = {b: mean_std(self.seeds("bn", b).values())[0] for b in self.batches}
+        here_bn = ", ".join(
+            f"{bn[b]:.1f}" for b in GN_PAPER_BN_ERROR if b in bn and not math.isnan(bn[b])
+        )
+        shown = "/".join(str(b) for b in GN_PAPER_BN_ERROR if b in bn)
+        deltas = self.against_largest("bn")
+        best = min(deltas, key=lambda b: deltas[b].mean) if deltas else None
+        gn_err = mean_std([r.test_error for r in self.gn])[0]
+        sync_err = mean_std([r.test_error for r in self.runs if r["bn"] == "sync"])[0]
+        brn4 = [r for r in self.recovery_rows() if r["variant"] == "brn (EMA)" and r["batch"] == 4]
+        lines = [
+            "",
+            "## Anchors",
+            "",
+            "| source | their setting | what they report | what this study shows |",
+            "|---|---|---|---|",
+            "| Wu & He 2018, Table 3 | ResNet-50, ImageNet, per-GPU BN | BN error "
+            + " / ".join(f"{e}" for e in GN_PAPER_BN_ERROR.values())
+            + f" % at {'/'.join(map(str, GN_PAPER_BN_ERROR))} images per GPU "
+            f"(+{GN_PAPER_BN_ERROR[2] - GN_PAPER_BN_ERROR[32]:.1f} pp from 32 to 2); GN flat at "
+            f"about {GN_PAPER_GN_ERROR} % | bn error {here_bn} % at {shown} images per device"
+            + (
+                f" ({bn[2] - bn[32]:+.1f} pp from 32 to 2)"
+                if 2 in bn and 32 in bn and not math.isnan(bn[2] - bn[32])
+                else ""
+            )
+            + (f"; gn {gn_err:.1f} % against sync {sync_err:.1f} %" if self.gn else "")
+            + " |",
+        ]
+        if best is not None:
+            d = deltas[best]
+            lines.append(
+                "| Kosson et al. 2024, Ghost Noise | ResNet-18, CIFAR-100, total batch 256 | "
+                "the best ghost batch (16) is just over 1 pp better than full-batch BN | "
+                "per-device BN is ghost BN with the per-device batch as the ghost batch: the "
+                f"best here is {best} images per device, {fmt_paired(d)} pp against "
+                f"{self.largest} (p = {fmt_p(d.p)}, n = {d.n}) |"
+            )
+        if brn4:
+            row = brn4[0]
+            rec = row["recovered"]
+            lines.append(
+                "| Ioffe 2017, Batch Renormalization | Inception-v3, ImageNet, microbatches of 4 | "
+                "BN 74.2 % and Batch Renorm 76.5 % top-1 against 78.3 % with 32 per microbatch: "
+                "about half of the loss recovered | at 4 images per device: BN's loss "
+                f"{fmt_paired(row['bn_loss'])} pp, brn's remaining {fmt_paired(row['vs_sync'])} pp"
+                + ("" if math.isnan(rec) else f" ({100 * rec:.0f} % recovered)")
+                + " |"
+            )
+        return lines
+
+    # -- the reading ---------------------------------------------------------------
+    def reading(self) -> list[str]:
+        lines = []
+        if self.floor is not None and not math.isnan(self.floor.p):
+            f = self.floor
+            lines.append(
+                f"- **SyncBN is flat across device counts** — {verdict(f.p >= stats.ALPHA)}: "
+                f"its mean test error ranges over {f.spread:.2f} pp across {f.device_counts} "
+                f"device counts; the device count explains no more than the noise floor "
+                f"({f.std:.2f} pp per run) predicts (two-way ANOVA, seeds as blocks: "
+                f"F = {f.f:.2f}, p = {fmt_p(f.p)}, {f.seeds} seeds)."
+            )
+        deltas = self.against_largest("bn")
+        if deltas:
+            threshold = stats.significant_from(deltas)
+            series = ", ".join(
+                f"{d.mean:+.2f} ± {d.std:.2f} at {b}"
+                for b, d in sorted(deltas.items(), reverse=True)
+            )
+            smallest = min(deltas)
+            if threshold is None:
+                lines.append(
+                    f"- **Per-device BN degrades as the per-device batch shrinks** — does not "
+                    f"hold: not even at {smallest} image(s) per device is it significantly worse "
+                    f"than at {self.largest} (Δ pp by images per device: {series})."
+                )
+            else:
+                d = deltas[threshold]
+                lines.append(
+                    f"- **Per-device BN degrades as the per-device batch shrinks** — holds: "
+                    f"significantly worse than at {self.largest} images per device (paired "
+                    f"t-test, p < {stats.ALPHA}) from **{threshold} images per device** down "
+                    f"({d.mean:+.2f} ± {d.std:.2f} pp there, p = {fmt_p(d.p)}); Δ pp by images "
+                    f"per device: {series}."
+                )
+        lines += self.recovery_reading()
+        lines += self.convergence_reading()
+        lines += self.normalization_reading()
+        return lines
+
+    def normalization_reading(self) -> list[str]:
+        """SyncBN on several devices normalises over the global batch, as bn on one device
+        does: against the normalisation batch their points fall on one x, and should agree."""
+        several = [r for r in self.runs if r["bn"] == "sync" and r["devices"] > 1]
+        if not several or not self.base:
+            return []
+        per_seed: dict[int, list[float]] = defaultdict(list)
+        for r in several:
+            per_seed[r["seed"]].append(r.test_error)
+        sync = {s: sum(v) / len(v) for s, v in per_seed.items()}
+        d = paired(sync, self.base)
+        batch = several[0]["normalization_batch_size"]
+        return [
+            f"- **Test error follows the normalisation batch** "
+            f"(`test_error_vs_normalization_batch.png`: bn and brn move to their per-device "
+            f"batch, SyncBN's device counts fall on {batch}) — {verdict(not d.significant)}: "
+            f"at {batch} images per normalisation batch, SyncBN on 2 or more devices (mean per "
+            f"seed) differs from bn on one device by {fmt_paired(d)} pp (p = {fmt_p(d.p)}, "
+            f"n = {d.n})."
+        ]
+
+    def recovery_reading(self) -> list[str]:
+        rows = self.recovery_rows()
+        lines = []
+        for name, label in (
+            ("brn (EMA)", "Batch Renormalization"),
+            ("bn (PreciseBN)", "PreciseBN"),
+            ("gn", "GroupNorm"),
+        ):
+            mine = [r for r in rows if r["variant"] == name]
+            if not mine:
+                continue
+            lost = [r for r in mine if r["bn_loss"].significant and r["bn_loss"].mean > 0]
+            parts = "; ".join(
+                f"{r['batch']}: remaining {fmt_paired(r['vs_sync'])} pp of BN's "
+                f"{fmt_paired(r['bn_loss'])}"
+                + ("" if math.isnan(r["recovered"]) else f" ({100 * r['recovered']:.0f} %)")
+                for r in mine
+            )
+            if not lost:
+                lines.append(
+                    f"- **{label} recovers BN's loss** — nothing to recover: BN is not "
+                    f"significantly worse than SyncBN at {SMALL_BATCH} or fewer images per "
+                    f"device here ({parts})."
+                )
+                continue
+            wins = [r for r in lost if r["vs_bn"].significant and r["vs_bn"].mean < 0]
+            where = ", ".join(str(r["batch"]) for r in lost)
+            lines.append(
+                f"- **{label} recovers part of BN's loss wherever BN loses** (at {where} images "
+                f"per device) — {verdict(len(wins) == len(lost))}: significantly better than "
+                f"bn at {', '.join(str(r['batch']) for r in wins) or 'none'} of them (paired "
+                f"t-test, p < {stats.ALPHA}). By images per device: {parts}."
+            )
+        return lines
+
+    def convergence_reading(self) -> list[str]:
+        lines = []
+        loss = {
+            b: mean_std(self.seeds("bn", b, train_loss).values())[0]
+            for b in self.batches
+            if self.cells.get(("bn", b))
+        }
+        if len(loss) > 1:
+            ordered = [loss[b] for b in sorted(loss, reverse=True)]
+            rising = all(a < b for a, b in zip(ordered, ordered[1:], strict=False))
+            lines.append(
+                f"- **Per-device BN's final training loss rises at every halving of the "
+                f"per-device batch** — {verdict(rising)}: "
+                + ", ".join(f"{loss[b]:.4f} at {b}" for b in sorted(loss, reverse=True))
+                + (
+                    f" (noise floor of one run: {self.loss_floor.std:.4f})."
+                    if self.loss_floor
+                    else "."
+                )
+            )
+        if self.loss_floor is not None and not math.isnan(self.loss_floor.p):
+            f = self.loss_floor
+            lines.append(
+                f"- **SyncBN's final training loss is flat across device counts** — "
+                f"{verdict(f.p >= stats.ALPHA)}: range {f.spread:.4f} (F = {f.f:.2f}, "
+                f"p = {fmt_p(f.p)}); the curves per device count are in `train_loss_curves.png`."
+            )
+        return lines
 
 
 def _missing_note(failed: int, some_finished: bool) -> str:
@@ -226,40 +605,8 @@ def _missing_section(failures: list[Failure]) -> list[str]:
     return lines
 
 
-NOTES = "NOTES.md"
-"""Hand-written observations kept next to a report (not regenerated); linked when present."""
-
-
-def _ddp_section(emulated: list[Run], ddp: list[Run]) -> list[str]:
-    twins = {(r["bn"], r["devices"], r["seed"]): r for r in emulated}
-    lines = [
-        "",
-        "## Real DDP against the emulation",
-        "",
-        "Real gloo DDP runs next to their emulated twins (same bn, devices, seed).",
-        "",
-        "| bn | devices | seed | test acc DDP | test acc emulated | Δ acc | "
-        "train loss DDP | train loss emulated | Δ loss (rel.) | "
-        f"Δ loss at step {_first_step(ddp)} (rel.) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in sorted(ddp, key=lambda r: (r["bn"], r["devices"], r["seed"])):
-        twin = twins.get((r["bn"], r["devices"], r["seed"]))
-        if twin is None:
-            continue
-        rel = abs(r["train_loss"] - twin["train_loss"]) / max(abs(twin["train_loss"]), 1e-12)
-        lines.append(
-            f"| {r['bn']} | {r['devices']} | {r['seed']} | {r['test_acc']:.2f} | "
-            f"{twin['test_acc']:.2f} | {r['test_acc'] - twin['test_acc']:+.2f} | "
-            f"{r['train_loss']:.6f} | {twin['train_loss']:.6f} | {rel:.1e} | "
-            f"{_first_loss_gap(r, twin)} |"
-        )
-    return lines
-
-
-def _first_step(runs: list[Run]) -> int | str:
-    steps = [r.loss_curve[0][0] for r in runs if r.loss_curve]
-    return min(steps) if steps else "–"
+def _ratio(value: float, noise: float) -> str:
+    return f"{value / noise:+.1f}" if noise > 0 else "–"
 
 
 def _first_loss_gap(run: Run, twin: Run) -> str:
@@ -273,136 +620,4 @@ def _first_loss_gap(run: Run, twin: Run) -> str:
     return f"{abs(a[step] - b[step]) / max(abs(b[step]), 1e-12):.1e}"
 
 
-def _reading(runs, cells, batches) -> list[str]:
-    lines = []
-    sync = [r for r in runs if r["bn"] == "sync"]
-    if sync:
-        by_dev = group(sync, "devices")
-        means = [mean_std([r.test_error for r in m])[0] for m in by_dev.values()]
-        seed_ranges = [
-            max(r.test_error for r in m) - min(r.test_error for r in m) for m in by_dev.values()
-        ]
-        spread, seed_spread = max(means) - min(means), statistics.fmean(seed_ranges)
-        verdict = "holds" if spread <= seed_spread + 1e-9 else "does not hold"
-        lines.append(
-            f"- **SyncBN does not depend on the device count** — {verdict} here: its mean test "
-            f"error ranges over {spread:.2f} pp across device counts, against a mean range "
-            f"of {seed_spread:.2f} pp across seeds at one device count."
-        )
-    bn_means = {b: mean_std([r.test_error for r in cells.get(("bn", b), [])])[0] for b in batches}
-    bn_means = {b: m for b, m in bn_means.items() if not math.isnan(m)}
-    if bn_means:
-        largest, smallest = max(bn_means), min(bn_means)
-        series = ", ".join(f"{bn_means[b]:.2f} % at {b}" for b in sorted(bn_means, reverse=True))
-        lines.append(f"- **Per-device BN** test error by images per device: {series}.")
-        loss = {
-            b: mean_std([r["train_loss"] for r in cells.get(("bn", b), [])])[0] for b in bn_means
-        }
-        ordered = [loss[b] for b in sorted(loss, reverse=True)]
-        monotone = all(a <= b for a, b in zip(ordered, ordered[1:], strict=False))
-        lines.append(
-            f"  Final training loss goes from {loss[largest]:.4f} at {largest} to "
-            f"{loss[smallest]:.4f} at {smallest} image(s) per device"
-            + (
-                ", rising at every halving: BN converges more slowly as the per-device batch "
-                "shrinks."
-                if monotone
-                else "."
-            )
-        )
-        above_one = [bn_means[b] for b in bn_means if b > 1]
-        if 1 in bn_means and len(above_one) > 1:
-            lines.append(
-                f"  Test error at 2 or more images per device stays within "
-                f"{max(above_one) - min(above_one):.2f} pp ({min(above_one):.2f}-"
-                f"{max(above_one):.2f} %); at 1 image per device it is {bn_means[1]:.2f} %."
-            )
-        precise = {
-            b: mean_std([r.test_error_precise_bn for r in cells.get(("bn", b), [])])[0]
-            for b in bn_means
-        }
-        if not math.isnan(precise.get(smallest, math.nan)):
-            lines.append(
-                f"- **PreciseBN** at {smallest} image(s) per device: {precise[smallest]:.2f} % "
-                f"against {bn_means[smallest]:.2f} % with the EMA statistics."
-            )
-    paper = ", ".join(f"{e} % at {b}" for b, e in GN_PAPER_BN_ERROR.items())
-    lines.append(
-        f"- For scale: Wu & He (Group Normalization, 2018, Table 3) report ResNet-50 ImageNet "
-        f"validation error with per-GPU BN of {paper} images per GPU, while GroupNorm stays "
-        "flat. MNIST is far easier, so the absolute numbers differ; the shape to compare is "
-        "flat for SyncBN and GroupNorm, rising for BN as the per-device batch shrinks."
-    )
-    return lines
-
-
-def _plots(runs: list[Run], out_dir: Path, x_axis: str = "per_device_batch_size") -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = []
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for v in _variants(runs):
-        members = [r for r in runs if r["bn"] == v]
-        if v == "gn":
-            m, s = mean_std([r.test_error for r in members])
-            ax.axhline(m, color="grey", linestyle=":", label=f"gn (±{s:.2f})")
-            continue
-        cells = group(members, x_axis)
-        xs = sorted(b for (b,) in cells)
-        for attr, style in (("test_error", "-o"), ("test_error_precise_bn", "--s")):
-            stats_ = [mean_std([getattr(r, attr) for r in cells[(b,)]]) for b in xs]
-            if all(math.isnan(m) for m, _ in stats_):
-                continue
-            label = f"{v} ({'EMA' if attr == 'test_error' else 'PreciseBN'})"
-            # the lower bar is clipped so a log axis never sees an error <= 0
-            lower = [max(0.0, min(s, 0.9 * m)) for m, s in stats_]
-            ax.errorbar(
-                xs,
-                [m for m, _ in stats_],
-                yerr=[lower, [s for _, s in stats_]],
-                fmt=style,
-                capsize=3,
-                label=label,
-            )
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.invert_xaxis()
-    ax.set_xlabel(X_AXES[x_axis])
-    ax.set_ylabel("test error (%)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    name = f"test_error_vs_{x_axis.removesuffix('_size')}.png"
-    fig.savefig(out_dir / name, dpi=120)
-    plt.close(fig)
-    names.append(name)
-
-    variants = [v for v in ("bn", "sync") if any(r["bn"] == v for r in runs)]
-    if variants and any(r.loss_curve for r in runs):
-        fig, axes = plt.subplots(1, len(variants), figsize=(6 * len(variants), 4), sharey=True)
-        axes = [axes] if len(variants) == 1 else list(axes)
-        for ax, v in zip(axes, variants, strict=True):
-            by_dev = group([r for r in runs if r["bn"] == v], "devices")
-            for (devices,), members in sorted(by_dev.items()):
-                curves = [dict(r.loss_curve) for r in members if r.loss_curve]
-                steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-                if steps:
-                    ax.plot(
-                        steps,
-                        [statistics.fmean(c[s] for c in curves) for s in steps],
-                        label=f"{devices} dev ({members[0]['per_device_batch_size']}/dev)",
-                    )
-            ax.set_title(f"bn={v}")
-            ax.set_xlabel("optimizer step")
-            ax.set_yscale("log")
-            ax.grid(True, alpha=0.3)
-        axes[0].set_ylabel("training loss (mean over seeds)")
-        axes[-1].legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out_dir / "train_loss_curves.png", dpi=120)
-        plt.close(fig)
-        names.append("train_loss_curves.png")
-    return names
+__all__ = ["X_AXES", "write_report"]

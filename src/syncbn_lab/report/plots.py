@@ -1,0 +1,138 @@
+"""The report's PNG plots: test error against the per-device and the normalisation batch,
+and the training-loss curves per per-device batch."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from syncbn_lab.report.collect import Run
+from syncbn_lab.report.stats import mean_std
+
+X_AXES = {
+    "per_device_batch_size": "images per device (global batch fixed)",
+    "normalization_batch_size": "images per normalisation batch (global batch fixed)",
+}
+"""The x axes of the test-error plots: a summary.json key -> its label."""
+
+ZOOM_FROM = 2
+"""The right panel of a test-error plot shows per-device batches from this size up."""
+
+
+def write_plots(runs: list[Run], out_dir: Path, variants: list[str]) -> list[str]:
+    """Every plot of ``runs`` into ``out_dir``; their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    names = [_error_plot(runs, out_dir, variants, x_axis) for x_axis in X_AXES]
+    curves = _loss_curves(runs, out_dir, [v for v in ("bn", "brn", "sync") if v in variants])
+    return names + ([curves] if curves else [])
+
+
+def _series(runs: list[Run], variants: list[str], x_axis: str):
+    """(label, style, xs, means, stds) per line: EMA for every batch-dependent variant,
+    PreciseBN dashed for bn; GroupNorm as (label, None, [], mean, std)."""
+    for v in variants:
+        members = [r for r in runs if r["bn"] == v]
+        if v == "gn":
+            m, s = mean_std([r.test_error for r in members])
+            yield f"gn (±{s:.2f})", None, [], m, s
+            continue
+        cells = defaultdict(list)
+        for r in members:
+            cells[r[x_axis]].append(r)
+        xs = sorted(cells)
+        lines = [("test_error", "-o", f"{v} (EMA)")]
+        if v == "bn":
+            lines.append(("test_error_precise_bn", "--s", "bn (PreciseBN)"))
+        for attr, style, label in lines:
+            points = [mean_std([getattr(r, attr) for r in cells[x]]) for x in xs]
+            if all(math.isnan(m) for m, _ in points):
+                continue
+            yield label, style, xs, [m for m, _ in points], [s for _, s in points]
+
+
+def _error_plot(runs: list[Run], out_dir: Path, variants: list[str], x_axis: str) -> str:
+    """Two panels: every batch on a log error axis, and the zoom on ZOOM_FROM and up."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    ticks: set[int] = set()
+    for panel, ax in enumerate(axes):
+        for label, style, xs, means, stds in _series(runs, variants, x_axis):
+            if style is None:
+                ax.axhline(means, color="grey", linestyle=":", label=label)
+                ax.axhspan(means - stds, means + stds, color="grey", alpha=0.12)
+                continue
+            keep = [i for i, x in enumerate(xs) if panel == 0 or x >= ZOOM_FROM]
+            if not keep:
+                continue
+            ticks |= {xs[i] for i in keep}
+            ms, ss = [means[i] for i in keep], [stds[i] for i in keep]
+            # on the log panel the lower bar is clipped so the axis never sees an error <= 0
+            lower = [max(0.0, min(s, 0.9 * m)) for m, s in zip(ms, ss, strict=True)]
+            ax.errorbar(
+                [xs[i] for i in keep],
+                ms,
+                yerr=[lower if panel == 0 else ss, ss],
+                fmt=style,
+                capsize=3,
+                label=label,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(t for t in ticks if panel == 0 or t >= ZOOM_FROM))
+        ax.xaxis.set_major_formatter(plain)
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.invert_xaxis()
+        ax.set_xlabel(X_AXES[x_axis])
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].yaxis.set_major_formatter(plain)
+    axes[0].yaxis.set_minor_formatter(plain)
+    axes[0].set_ylabel("test error (%), mean ± std over seeds")
+    axes[0].set_title("all batches (log scale)")
+    axes[1].set_title(f"{ZOOM_FROM} images and more (linear scale)")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    name = f"test_error_vs_{x_axis.removesuffix('_size')}.png"
+    fig.savefig(out_dir / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+def _loss_curves(runs: list[Run], out_dir: Path, variants: list[str]) -> str | None:
+    """One panel per variant: the mean training-loss curve over seeds per per-device batch."""
+    import matplotlib.pyplot as plt
+
+    if not variants or not any(r.loss_curve for r in runs):
+        return None
+    fig, axes = plt.subplots(1, len(variants), figsize=(5.5 * len(variants), 4), sharey=True)
+    axes = [axes] if len(variants) == 1 else list(axes)
+    for ax, v in zip(axes, variants, strict=True):
+        by_batch = defaultdict(list)
+        for r in runs:
+            if r["bn"] == v and r.loss_curve:
+                by_batch[r["per_device_batch_size"]].append(dict(r.loss_curve))
+        for batch in sorted(by_batch, reverse=True):
+            curves = by_batch[batch]
+            steps = sorted(set.intersection(*(set(c) for c in curves)))
+            ax.plot(
+                steps,
+                [statistics.fmean(c[s] for c in curves) for s in steps],
+                label=f"{batch} per device",
+                linewidth=1,
+            )
+        ax.set_title(f"bn={v}")
+        ax.set_xlabel("optimizer step")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("training loss (mean over seeds)")
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "train_loss_curves.png", dpi=110)
+    plt.close(fig)
+    return "train_loss_curves.png"
