@@ -539,12 +539,18 @@ class Report:
                 )
                 continue
             wins = [r for r in lost if r["vs_bn"].significant and r["vs_bn"].mean < 0]
+            harms = [r for r in mine if r["vs_bn"].significant and r["vs_bn"].mean > 0]
             where = ", ".join(str(r["batch"]) for r in lost)
+            worse = (
+                f"; significantly worse than bn at {', '.join(str(r['batch']) for r in harms)}"
+                if harms
+                else ""
+            )
             lines.append(
                 f"- **{label} recovers part of BN's loss wherever BN loses** (at {where} images "
                 f"per device) — {verdict(len(wins) == len(lost))}: significantly better than "
-                f"bn at {', '.join(str(r['batch']) for r in wins) or 'none'} of them (paired "
-                f"t-test, p < {stats.ALPHA}). By images per device: {parts}."
+                f"bn at {', '.join(str(r['batch']) for r in wins) or 'none'} of them{worse} "
+                f"(paired t-test, p < {stats.ALPHA}). By images per device: {parts}."
             )
         return lines
 
