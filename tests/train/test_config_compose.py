@@ -87,7 +87,7 @@ def test_study_experiments(experiment, dataset, seeds):
     fixed global batch, and its sweep grid is bn and sync x 1 ... 64 devices x the seeds."""
     cfg = compose_config([f"experiment={experiment}"])
     assert (cfg.data.name, cfg.model.name, cfg.parallel.name) == (dataset, "resnet8", "emulated")
-    assert cfg.trainer.global_batch_size == 64
+    assert cfg.study == experiment and cfg.trainer.global_batch_size == 64
     assert cfg.trainer.precise_bn_batches > 0 and cfg.trainer.precision == "fp32"
     validate(cfg)
     grid = OmegaConf.load(Path(CONFIG_DIR) / "experiment" / f"{experiment}.yaml").hydra.sweeper

@@ -110,6 +110,10 @@ def _loss_curves(runs: list[Run], out_dir: Path, variants: list[str]) -> str | N
 
     if not variants or not any(r.loss_curve for r in runs):
         return None
+    from matplotlib.ticker import FuncFormatter
+
+    batches = sorted({r["per_device_batch_size"] for r in runs}, reverse=True)
+    color = {b: f"C{i % 10}" for i, b in enumerate(batches)}  # one colour per batch, all panels
     fig, axes = plt.subplots(1, len(variants), figsize=(5.5 * len(variants), 4), sharey=True)
     axes = [axes] if len(variants) == 1 else list(axes)
     for ax, v in zip(axes, variants, strict=True):
@@ -124,14 +128,17 @@ def _loss_curves(runs: list[Run], out_dir: Path, variants: list[str]) -> str | N
                 steps,
                 [statistics.fmean(c[s] for c in curves) for s in steps],
                 label=f"{batch} per device",
+                color=color[batch],
                 linewidth=1,
             )
         ax.set_title(f"bn={v}")
         ax.set_xlabel("optimizer step")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
     axes[0].set_ylabel("training loss (mean over seeds)")
-    axes[-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_dir / "train_loss_curves.png", dpi=110)
     plt.close(fig)
