@@ -141,3 +141,16 @@ def test_resume_refuses_new_settings_and_unknown_dirs(tmp_path):
     )
     assert result.returncode == 1
     assert result.stderr.startswith("error: --resume runs the sweep with the settings it was")
+
+
+def test_an_unknown_experiment_is_one_line_before_anything_is_written(tmp_path):
+    result = subprocess.run(
+        [sys.executable, SWEEP, "--experiment", "nope", "--sweep-dir", str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: --experiment nope is unknown; choose one of bn_vs_syncbn, bn_vs_syncbn_mnist"
+    ]
+    assert not (tmp_path / "s").exists()
