@@ -169,14 +169,17 @@ def test_the_smoke_sweep_runs_through_slurm(slurm_env, tmp_path):
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert len(ran_under_slurm(sweep_dir)) == 5  # bn, sync x 1, 4 devices, and GroupNorm
+    # the grid (bn, sync x 1, 4 devices), brn at 4, GroupNorm, and one 2-rank DDP run
+    assert len(ran_under_slurm(sweep_dir)) == 7
     rows = list(csv.DictReader(open(report_dir / "results.csv")))
-    assert sorted((r["bn"], r["devices"]) for r in rows) == [
-        ("bn", "1"),
-        ("bn", "4"),
-        ("gn", "1"),
-        ("sync", "1"),
-        ("sync", "4"),
+    assert sorted((r["bn"], r["parallel"], r["devices"]) for r in rows) == [
+        ("bn", "emulated", "1"),
+        ("bn", "emulated", "4"),
+        ("brn", "emulated", "4"),
+        ("gn", "emulated", "1"),
+        ("sync", "ddp", "2"),
+        ("sync", "emulated", "1"),
+        ("sync", "emulated", "4"),
     ]
     assert "| 16 |" in (report_dir / "README.md").read_text()
 
