@@ -91,6 +91,11 @@ class NoiseFloor:
     seeds: int
     device_counts: int
 
+    @property
+    def flat(self) -> bool:
+        """No significant device-count effect (the test could be made and found none)."""
+        return not math.isnan(self.p) and self.p >= ALPHA
+
 
 def noise_floor(runs: list[Run], value: Value) -> NoiseFloor:
     """The noise floor of ``value`` from runs that differ only in their device count."""

@@ -9,12 +9,13 @@ from __future__ import annotations
 import csv
 import math
 from collections import defaultdict
+from functools import cached_property
 from pathlib import Path
 
 from syncbn_lab.errors import UserError
 from syncbn_lab.report import stats
 from syncbn_lab.report.collect import CSV_COLUMNS, Failure, Run
-from syncbn_lab.report.plots import X_AXES, write_plots
+from syncbn_lab.report.plots import write_plots
 from syncbn_lab.report.stats import Paired, by_seed, mean_std, paired
 
 # Wu & He, "Group Normalization" (ECCV 2018), Table 3: ResNet-50 on ImageNet, BN computed
@@ -243,6 +244,7 @@ class Report:
                 )
         return lines
 
+    @cached_property
     def recovery_rows(self) -> list[dict]:
         """At each small per-device batch: BN's loss against SyncBN at the same device count,
         and what PreciseBN, Batch Renormalization and GroupNorm make of it."""
@@ -278,7 +280,7 @@ class Report:
         return rows
 
     def recovery_section(self) -> list[str]:
-        rows = self.recovery_rows()
+        rows = self.recovery_rows
         if not rows:
             return []
         lines = [
@@ -410,7 +412,7 @@ class Report:
         best = min(deltas, key=lambda b: deltas[b].mean) if deltas else None
         gn_err = mean_std([r.test_error for r in self.gn])[0]
         sync_err = mean_std([r.test_error for r in self.runs if r["bn"] == "sync"])[0]
-        brn4 = [r for r in self.recovery_rows() if r["variant"] == "brn (EMA)" and r["batch"] == 4]
+        brn4 = [r for r in self.recovery_rows if r["variant"] == "brn (EMA)" and r["batch"] == 4]
         lines = [
             "",
             "## Anchors",
@@ -458,7 +460,7 @@ class Report:
         if self.floor is not None and not math.isnan(self.floor.p):
             f = self.floor
             lines.append(
-                f"- **SyncBN is flat across device counts** — {verdict(f.p >= stats.ALPHA)}: "
+                f"- **SyncBN is flat across device counts** — {verdict(f.flat)}: "
                 f"its mean test error ranges over {f.spread:.2f} pp across {f.device_counts} "
                 f"device counts; the device count explains no more than the noise floor "
                 f"({f.std:.2f} pp per run) predicts (two-way ANOVA, seeds as blocks: "
@@ -514,7 +516,7 @@ class Report:
         ]
 
     def recovery_reading(self) -> list[str]:
-        rows = self.recovery_rows()
+        rows = self.recovery_rows
         lines = []
         for name, label in (
             ("brn (EMA)", "Batch Renormalization"),
@@ -578,7 +580,7 @@ class Report:
             f = self.loss_floor
             lines.append(
                 f"- **SyncBN's final training loss is flat across device counts** — "
-                f"{verdict(f.p >= stats.ALPHA)}: range {f.spread:.4f} (F = {f.f:.2f}, "
+                f"{verdict(f.flat)}: range {f.spread:.4f} (F = {f.f:.2f}, "
                 f"p = {fmt_p(f.p)}); the curves per device count are in `train_loss_curves.png`."
             )
         return lines
@@ -624,6 +626,3 @@ def _first_loss_gap(run: Run, twin: Run) -> str:
         return "–"
     step = common[0]
     return f"{abs(a[step] - b[step]) / max(abs(b[step]), 1e-12):.1e}"
-
-
-__all__ = ["X_AXES", "write_report"]
