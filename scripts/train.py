@@ -21,6 +21,7 @@ import hydra
 from omegaconf import DictConfig
 
 from syncbn_lab.cli import exit_on_user_error, precheck
+from syncbn_lab.logging.console import LOG_FILE, log_terminal
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 
@@ -34,23 +35,25 @@ def main(cfg: DictConfig) -> float | None:
     from syncbn_lab.train import run
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if HydraConfig.get().mode == RunMode.MULTIRUN:  # a failed job must not stop the others
-        from syncbn_lab.multirun import run_job
+    # the terminal's lines in train.log, and the traceback of an error that Hydra prints
+    with log_terminal(run_dir / LOG_FILE, log_exceptions=True):
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # a failed job must not stop the others
+            from syncbn_lab.multirun import run_job
 
-        summary = run_job(cfg, run_dir, run)
+            summary = run_job(cfg, run_dir, run)
+            return summary.get("test_acc") if summary else None
+        with exit_on_user_error():
+            try:
+                summary = run(cfg, run_dir)
+            except RankFailed as e:  # the failing rank's traceback once, then one line
+                if e.remote_traceback:
+                    print(e.remote_traceback.rstrip(), file=sys.stderr)
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                sys.exit(1)
+            except PeerFailed as e:  # torchrun: another rank failed and torchrun reports it
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                sys.exit(1)
         return summary.get("test_acc") if summary else None
-    with exit_on_user_error():
-        try:
-            summary = run(cfg, run_dir)
-        except RankFailed as e:  # the failing rank's traceback once, then one line
-            if e.remote_traceback:
-                print(e.remote_traceback.rstrip(), file=sys.stderr)
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(1)
-        except PeerFailed as e:  # torchrun: another rank failed and torchrun reports it
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(1)
-    return summary.get("test_acc") if summary else None
 
 
 def torchrun_follower_args(args: list[str]) -> list[str]:

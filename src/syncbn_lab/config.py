@@ -35,6 +35,8 @@ def validate(cfg: DictConfig) -> DictConfig:
         _positive(t.max_steps, "trainer.max_steps")
     if t.get("eval_images") is not None:
         _positive(t.eval_images, "trainer.eval_images")
+    if t.get("overfit_batches") is not None:
+        _positive(t.overfit_batches, "trainer.overfit_batches")
     if p.name == "single" and p.devices != 1:
         raise ConfigError(
             f"parallel=single runs on one device but parallel.devices={p.devices}; "

@@ -18,9 +18,11 @@ from syncbn_lab.config import torchrun_env, validate
 from syncbn_lab.engine import checkpoint
 from syncbn_lab.engine.loop import Loaders, Trainer, step_counts
 from syncbn_lab.engine.optim import build_optimizer
+from syncbn_lab.engine.precise_bn import bn_layers
 from syncbn_lab.engine.precision import model_dtype
 from syncbn_lab.errors import ConfigError
 from syncbn_lab.logging import NullLogger, RunLogger
+from syncbn_lab.logging.console import LOG_FILE, log_terminal, result_block
 from syncbn_lab.nn.registry import norm_layer, normalization_batch_size
 from syncbn_lab.parallel import launch, parallelize
 from syncbn_lab.parallel.context import Runtime
@@ -72,7 +74,15 @@ def check_run_dir(run_dir: Path) -> None:
 
 
 def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Everything one process does: data, model, optimizer, fit, summary (rank 0)."""
+    """Everything one process does: data, model, optimizer, fit, summary (rank 0). Rank 0
+    copies what it prints into the run's train.log, spawned DDP rank 0 included."""
+    if not rt.is_main:
+        return _work(rt, cfg, run_dir)
+    with log_terminal(run_dir / LOG_FILE):
+        return _work(rt, cfg, run_dir)
+
+
+def _work(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from syncbn_lab.data import build_datasets
 
     started = time.perf_counter()
@@ -93,7 +103,9 @@ def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     # replicas each get their own slice, DDP ranks their own batch.
     emulated = cfg.parallel.devices if cfg.parallel.name == "emulated" else 1
     per_device = cfg.derived.per_device_batch_size
-    train_batches = train_loader(splits.train, rt, per_device, t.seed, t.num_workers)
+    train_batches = train_loader(
+        splits.train, rt, per_device, t.seed, t.num_workers, t.get("overfit_batches")
+    )
     _, steps = step_counts(t, len(train_batches))  # the Trainer's total_steps
     norm = norm_layer(cfg.bn, emulated_devices=emulated, training_batches=steps * t.accumulate)
     model = models.build(cfg.model, norm, splits.num_classes, splits.in_channels)
@@ -140,6 +152,9 @@ def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         }
         logger.summary(summary)
         exit_code = 0
-        return summary
     finally:
         logger.finish(exit_code)
+    if rt.is_main:
+        running_stats = bool(bn_layers(model))
+        print(result_block(summary, run_dir, logger.wandb_lines, running_stats), flush=True)
+    return summary

@@ -49,6 +49,8 @@ def test_a_rank_that_raises_ends_the_run_with_one_report(tmp_path):
     assert "Connection closed" not in err and "Connection reset" not in err, err  # rank 0's
     assert not (tmp_path / "run" / "summary.json").exists()
     assert no_process_left(marker), processes_with_env(marker)
+    log = (tmp_path / "run" / "train.log").read_text()  # the run's log holds the error too
+    assert errors[0] in log.splitlines() and log.count("Traceback (most recent call last)") == 1
 
 
 def test_a_killed_rank_ends_the_run(tmp_path):
@@ -116,3 +118,6 @@ def test_torchrun_ranks_write_one_run_dir(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no second Hydra dir
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len([line for line in lines if '"val/acc"' not in line]) == 3  # rank 0 alone logged
+    log = (run_dir / "train.log").read_text().splitlines()  # rank 0's terminal lines
+    shown = [line for line in result.stdout.splitlines() if line.startswith(("epoch ", "-- run"))]
+    assert len(shown) == 2 and all(line in log for line in shown), result.stdout

@@ -38,6 +38,7 @@ def assert_one_line_error(result, *fragments):
             ["not divisible"],
         ),
         (["trainer.precision=fp8"], ["trainer.precision=fp8", "fp64"]),
+        (["trainer.overfit_batches=0"], ["trainer.overfit_batches=0", "positive"]),
         (["model.name=nosuch"], ["model.name=nosuch", "model=<name>", "resnet20"]),
         (["bn.name=nosuch"], ["bn.name=nosuch", "bn=<name>", "sync"]),
         (["data.name=nosuch"], ["data.name=nosuch", "data=<name>", "mnist"]),
@@ -94,10 +95,10 @@ def test_unwritable_output_dir_is_one_line(tmp_path):
 
 def test_existing_run_dir_is_untouched(tmp_path):
     run_dir = tmp_path / "run"
-    first = train(*TINY, "trainer.max_steps=2", f"hydra.run.dir={run_dir}")
+    first = train(*TINY, "debug=fast", f"hydra.run.dir={run_dir}")
     assert first.returncode == 0, first.stderr
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    second = train(*TINY, "trainer.max_steps=2", f"hydra.run.dir={run_dir}")
+    second = train(*TINY, "debug=fast", f"hydra.run.dir={run_dir}")
     assert_one_line_error(second, "already holds a run")
     after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     assert before == after

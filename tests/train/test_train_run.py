@@ -99,11 +99,17 @@ def test_rerun_into_same_dir_is_refused_and_keeps_files(tmp_path, tiny_cfg):
     assert before == after
 
 
-def test_wandb_offline_run(tmp_path, tiny_cfg, monkeypatch):
+def test_wandb_offline_run(tmp_path, tiny_cfg, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.chdir(tmp_path)
     summary = run(tiny_cfg("logger=wandb", "trainer.max_steps=3", "logger.tags=[smoke]"), tmp_path)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, "one offline W&B run inside the run dir"
+    # the end-of-run block names the run's folder and the command that uploads it
+    folder = runs[0].relative_to(tmp_path)
+    out = capsys.readouterr().out
+    assert f"W&B            offline run in {folder}\n" in out, out
+    assert f"               upload it: wandb sync {folder}\n" in out, out
     # wandb >= 0.19 writes offline runs as one protobuf log (run-*.wandb) that `wandb sync`
     # uploads; the summary, config and tags are records in it
     (log,) = runs[0].glob("run-*.wandb")

@@ -229,7 +229,7 @@ class Trainer:
                     self.save("best.pt")
             self.logger.log(record)
             self.save("last.pt")
-            if rt.is_main and progress is None:
+            if rt.is_main:  # stays on the screen (the progress bar does not) and in train.log
                 print(_epoch_line(record), flush=True)
             if finished:
                 break

@@ -13,8 +13,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from syncbn_lab.logging.console import wandb_lines
+
 
 class NullLogger:
+    wandb_lines: list[str] = []  # where the W&B run went (the end-of-run block)
+
     def log(self, record: dict[str, Any]) -> None:
         pass
 
@@ -32,6 +36,7 @@ class RunLogger(NullLogger):
         self.run_dir = run_dir
         self.metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
         self.wandb_run = _start_wandb(run_dir, cfg) if cfg.logger.name == "wandb" else None
+        self.wandb_lines = wandb_lines(self.wandb_run)
 
     def log(self, record: dict[str, Any]) -> None:
         self.metrics.write(json.dumps(_finite(record)) + "\n")

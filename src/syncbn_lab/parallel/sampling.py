@@ -8,6 +8,7 @@ device order. So slice d of an emulated global batch i is exactly rank d's batch
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -68,12 +69,39 @@ class ShardSampler(Sampler[int]):
         return iter(self.indices)
 
 
+class RepeatedBatches(Sampler[list[int]]):
+    """The first ``batches`` batches that ``sampler`` yields in epoch 0, the same ones every
+    epoch (``trainer.overfit_batches``, debug=overfit)."""
+
+    def __init__(self, sampler: DeviceBatchSampler, batches: int):
+        sampler.set_epoch(0)
+        self.batches = list(itertools.islice(sampler, batches))
+
+    def set_epoch(self, epoch: int) -> None:
+        pass  # the same batches every epoch
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+
 def train_loader(
-    dataset: Dataset, rt: Runtime, per_device_batch_size: int, seed: int, num_workers: int
+    dataset: Dataset,
+    rt: Runtime,
+    per_device_batch_size: int,
+    seed: int,
+    num_workers: int,
+    overfit_batches: int | None = None,
 ) -> DataLoader:
-    sampler = DeviceBatchSampler(
+    """This process's training batches; with ``overfit_batches``, only the first that many,
+    repeated every epoch."""
+    sampler: Sampler[list[int]] = DeviceBatchSampler(
         dataset, per_device_batch_size, rt.total_devices, rt.local_device_ranks, seed
     )
+    if overfit_batches is not None:
+        sampler = RepeatedBatches(sampler, overfit_batches)
     return DataLoader(
         dataset,
         batch_sampler=sampler,
