@@ -17,17 +17,25 @@ that reason. --resume runs the same sweep again in its dir (the settings recorde
 <sweep dir>/sweep.json): runs whose summary.json is complete are skipped, the rest run
 afresh. The wall time of all attempts is written to <sweep dir>/wall_time_s and stated in
 the report.
+
+While it works the sweep prints one line per finished run: k of N, the run's cell, its test
+error or why it has none (failed, diverged), its time and the sweep's estimated time left.
+The jobs' own output (Hydra's launch lines, epoch lines) goes to <sweep dir>/sweep.log, and
+each run's to its own train.log; --verbose prints the jobs' output as well.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
+
+from syncbn_lab.multirun import SweepProgress, job_count
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = [
@@ -75,19 +83,41 @@ def merge(defaults: list[str], overrides: list[str]) -> list[str]:
     return [d for d in defaults if d.split("=", 1)[0] not in given] + overrides
 
 
-def multirun(sweep_dir: Path, experiment: str, overrides: list[str]) -> int:
-    """One Hydra multirun into ``sweep_dir``; its exit status (1: some jobs failed)."""
-    command = [
-        sys.executable,
-        str(ROOT / "scripts" / "train.py"),
-        "-m",
+LOG = "sweep.log"  # the jobs' own output, all attempts appended
+POLL_S = 1.0  # how often the sweep dir is read for finished runs
+
+
+def multirun_overrides(sweep_dir: Path, experiment: str, overrides: list[str]) -> list[str]:
+    """The arguments of one Hydra multirun of the sweep, after ``train.py -m``."""
+    return [
         f"experiment={experiment}",
         f"hydra.sweep.dir={sweep_dir}",
         "skip_finished=true",  # a run already finished in this sweep dir is not run again
         *overrides,
     ]
-    print("+", " ".join(command[1:]), flush=True)
-    return subprocess.run(command, cwd=ROOT).returncode
+
+
+def multirun(arguments: list[str], progress: SweepProgress, log: Path, verbose: bool) -> int:
+    """One Hydra multirun; prints a line per run as it finishes. The jobs' output goes to
+    ``log``, and to the terminal too when ``verbose``. Returns its exit status (1: some jobs
+    failed)."""
+    command = [sys.executable, str(ROOT / "scripts" / "train.py"), "-m", *arguments]
+    with open(log, "a") as out:
+        out.write("+ " + " ".join(command[1:]) + "\n")
+        out.flush()
+        if verbose:
+            print("+", " ".join(command[1:]), flush=True)
+            job = subprocess.Popen(command, cwd=ROOT)
+        else:
+            job = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        while True:
+            finished = job.poll() is not None  # read the runs once more after the end
+            for line in progress.poll():
+                print(line, flush=True)
+            if finished:
+                return job.returncode
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                job.wait(POLL_S)
 
 
 def settings(args: argparse.Namespace) -> tuple[Path, dict]:
@@ -150,6 +180,9 @@ def main() -> None:
     parser.add_argument("--sweep-dir", type=Path, default=None)
     parser.add_argument("--resume", type=Path, default=None, metavar="SWEEP_DIR")
     parser.add_argument("--report-dir", type=Path, default=None)
+    parser.add_argument(
+        "--verbose", action="store_true", help="also print the jobs' own output (epoch lines)"
+    )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
     sweep_dir, record = settings(args)
@@ -158,9 +191,24 @@ def main() -> None:
     wall_file = sweep_dir / "wall_time_s"
     earlier = float(wall_file.read_text()) if wall_file.exists() else 0.0
     start = time.perf_counter()
-    statuses = [
-        multirun(sweep_dir, record["experiment"], part["overrides"]) for part in record["parts"]
+    runs = [
+        multirun_overrides(sweep_dir, record["experiment"], part["overrides"])
+        for part in record["parts"]
     ]
+    try:
+        total = sum(job_count(arguments) for arguments in runs)
+    except Exception as e:  # a bad override: Hydra's message as one line
+        sys.exit(f"error: {' '.join(str(e).split())}")
+    progress = SweepProgress(sweep_dir, total)
+    log = sweep_dir / LOG
+    print(
+        f"sweep of {progress.total} runs -> {sweep_dir}; the jobs' output: {log}, each run's "
+        "train.log",
+        flush=True,
+    )
+    if progress.done:
+        print(f"resumed: {progress.done} of {progress.total} runs finished before", flush=True)
+    statuses = [multirun(arguments, progress, log, args.verbose) for arguments in runs]
     wall = earlier + time.perf_counter() - start
     wall_file.write_text(f"{wall:.1f}\n")
     print(f"sweep finished in {wall / 60:.1f} min -> {sweep_dir}", flush=True)

@@ -13,14 +13,22 @@ A sweep must survive interruption and failure. Under ``-m`` every job goes throu
 
 :class:`ReportFailures`, a Hydra callback, prints the failed jobs of the multirun after all
 jobs are done, one line each, and makes the multirun exit with status 1.
+
+:class:`SweepProgress` watches a sweep dir from outside (scripts/sweep.py) and says, one line
+per run as it lands, which cell finished with what result and how long the sweep has left.
+It reads only the files the jobs write, so it works for any launcher (joblib, SLURM).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
 import sys
+import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +37,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from syncbn_lab.errors import UserError
+from syncbn_lab.logging.console import duration
 
 ERROR_FILE = "error.json"
 SUMMARY_KEYS = ("test_acc", "steps")  # a summary.json without them was cut short
@@ -39,6 +48,7 @@ RUN_OUTPUTS = (
     "summary.json",
     "summary.json.tmp",
     ERROR_FILE,
+    ERROR_FILE + ".tmp",
     "checkpoints",
     "wandb",
 )
@@ -72,6 +82,7 @@ def run_job(
     """``run(cfg, run_dir)`` as one job of a multirun: skipped when finished (with
     ``skip_finished``), recorded in error.json when it fails. Returns the summary, or None
     for a failed job."""
+    started = time.perf_counter()
     try:
         if cfg.get("skip_finished"):
             summary = finished_summary(run_dir)
@@ -90,7 +101,7 @@ def run_job(
         elif not isinstance(e, user_error_types() + (RankFailed,)):
             traceback.print_exc()  # not a user error: the traceback helps, then one line
         line = one_line(e)
-        record_failure(cfg, run_dir, line)
+        record_failure(cfg, run_dir, line, time.perf_counter() - started)
         print(f"error: {line}", file=sys.stderr, flush=True)
         return None
 
@@ -106,9 +117,14 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def record_failure(cfg: DictConfig, run_dir: Path, line: str) -> None:
-    """Write ``<run dir>/error.json``: the one-line reason and the job's cell of the sweep."""
+def record_failure(
+    cfg: DictConfig, run_dir: Path, line: str, wall_time_s: float | None = None
+) -> None:
+    """Write ``<run dir>/error.json``: the one-line reason, the job's cell of the sweep and,
+    when known, how long the job ran."""
     record: dict[str, Any] = {"error": line}
+    if wall_time_s is not None:
+        record["wall_time_s"] = wall_time_s
     for key, path in CELL_KEYS.items():
         try:
             record[key] = OmegaConf.select(cfg, path, throw_on_missing=True)
@@ -120,7 +136,9 @@ def record_failure(cfg: DictConfig, run_dir: Path, line: str) -> None:
     except (KeyError, TypeError, ZeroDivisionError):
         pass
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / ERROR_FILE).write_text(json.dumps(record) + "\n")
+    tmp = run_dir / (ERROR_FILE + ".tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, run_dir / ERROR_FILE)  # a sweep's progress never reads half a file
 
 
 def clear_unfinished(run_dir: Path) -> None:
@@ -198,3 +216,118 @@ def _error_files(sweep_dir: Path) -> dict[Path, float]:
     if not sweep_dir.is_dir():
         return {}
     return {p: p.stat().st_mtime for p in sweep_dir.glob(f"*/{ERROR_FILE}")}
+
+
+def job_count(overrides: list[str]) -> int:
+    """How many jobs ``scripts/train.py -m <overrides>`` launches: what Hydra's basic sweeper
+    computes, the product of the comma lists of the sweeper's params (an experiment's
+    ``hydra.sweeper.params``) and of the command line, which wins for a key both set."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from syncbn_lab.config import CONFIG_DIR
+
+    parser = OverridesParser.create()
+    fixed = [o.input_line for o in parser.parse_overrides(overrides) if not o.is_sweep_override()]
+    try:
+        with (
+            initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("ignore")  # the multirun itself warns, if it must
+            cfg = compose("config", overrides=fixed, return_hydra_config=True)
+    finally:
+        GlobalHydra.instance().clear()
+    params = [f"{key}={value}" for key, value in (cfg.hydra.sweeper.get("params") or {}).items()]
+    (jobs,) = BasicSweeper.split_arguments(parser.parse_overrides(params + overrides), None)
+    return len(jobs)
+
+
+class SweepProgress:
+    """One line per run of a sweep as it finishes: ``[k/N]``, its cell (variant, parallel
+    mode x devices, images per device, seed), its test error or why it has none (failed,
+    diverged), its time, and the sweep's estimated time left.
+
+    Reads the run dirs under ``sweep_dir``: a new complete summary.json is a finished run, a
+    new error.json a failed one. Runs finished before this attempt (``--resume``) count as
+    done and get no line; the estimate is this attempt's time per finished run times the
+    runs left (it includes the launcher's parallelism)."""
+
+    def __init__(self, sweep_dir: Path, total: int, clock: Callable[[], float] = time.monotonic):
+        self.sweep_dir, self.total, self.clock = sweep_dir, total, clock
+        self.started = clock()
+        self.reported = {
+            p.parent for p in sweep_dir.glob("*/summary.json") if finished_summary(p.parent)
+        }
+        self.before = len(self.reported)
+        self.errors_before = _error_files(sweep_dir)
+
+    @property
+    def done(self) -> int:
+        return len(self.reported)
+
+    def poll(self) -> list[str]:
+        """The lines of the runs that finished since the last call."""
+        lines = []
+        for run_dir, outcome in self._new_outcomes():
+            if run_dir in self.reported:
+                continue  # both files new: the first one counts
+            self.reported.add(run_dir)
+            lines.append(self._line(outcome))
+        return lines
+
+    def _new_outcomes(self) -> list[tuple[Path, dict[str, Any]]]:
+        found = []
+        for summary_file in self.sweep_dir.glob("*/summary.json"):
+            run_dir = summary_file.parent
+            summary = None if run_dir in self.reported else finished_summary(run_dir)
+            if summary is not None:
+                found.append((summary_file.stat().st_mtime, run_dir, summary))
+        for error_file, mtime in _error_files(self.sweep_dir).items():
+            run_dir = error_file.parent
+            if run_dir in self.reported or self.errors_before.get(error_file) == mtime:
+                continue
+            try:
+                found.append((mtime, run_dir, json.loads(error_file.read_text())))
+            except (OSError, ValueError):
+                continue  # replaced while read: the next call sees it
+        return [(run_dir, outcome) for _, run_dir, outcome in sorted(found, key=lambda f: f[0])]
+
+    def _line(self, outcome: dict[str, Any]) -> str:
+        k = len(self.reported)
+        if "error" in outcome:
+            result = f"failed: {outcome['error']}"
+        elif not _finite(outcome.get("train_loss")):
+            result = "diverged (the training loss is not finite)"
+        else:
+            result = f"test error {100 - outcome['test_acc']:.2f} %"
+        took = outcome.get("wall_time_s")
+        parts = [
+            f"[{k}/{self.total}] {cell(outcome)}",
+            result,
+            "?" if took is None else duration(took),
+        ]
+        ran = k - self.before
+        if k < self.total and ran > 0:
+            per_run = (self.clock() - self.started) / ran
+            parts.append(f"about {duration(per_run * (self.total - k))} left")
+        elif k >= self.total:
+            parts.append("all runs done")
+        return " | ".join(parts)
+
+
+def cell(record: dict[str, Any]) -> str:
+    """``sync, emulated x4 (16 images per device), seed 0`` from a summary or error record."""
+    per_device = record.get("per_device_batch_size", "?")
+    if isinstance(per_device, float):
+        per_device = f"{per_device:.3g}"
+    return (
+        f"{record.get('bn', '?')}, {record.get('parallel', '?')} x{record.get('devices', '?')} "
+        f"({per_device} images per device), seed {record.get('seed', '?')}"
+    )
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)

@@ -92,6 +92,8 @@ def test_a_multirun_runs_as_slurm_jobs_with_the_outputs_of_local_runs(slurm_env,
             p.name for p in run_dir.iterdir()
         }
         assert (run_dir / "checkpoints" / "last.pt").stat().st_size > 0
+        log = (run_dir / "train.log").read_text()  # the job's terminal lines, as a local run's
+        assert "epoch 1 | step 3 |" in log and "-- run finished" in log, log
     assert json.loads((ddp / "summary.json").read_text())["parallel"] == "ddp"
 
     # the same job run locally writes the same files and the same losses
@@ -171,6 +173,9 @@ def test_the_smoke_sweep_runs_through_slurm(slurm_env, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     # the grid (bn, sync x 1, 4 devices), brn at 4, GroupNorm, and one 2-rank DDP run
     assert len(ran_under_slurm(sweep_dir)) == 7
+    lines = [line for line in result.stdout.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in lines] == [f"[{k}/7" for k in range(1, 8)], lines
+    assert lines[-1].endswith("| all runs done") and "epoch " not in result.stdout
     rows = list(csv.DictReader(open(report_dir / "results.csv")))
     assert sorted((r["bn"], r["parallel"], r["devices"]) for r in rows) == [
         ("bn", "emulated", "1"),

@@ -2,11 +2,12 @@
 with skip_finished a finished run is kept and an unfinished one is run again from scratch."""
 
 import json
+import os
 
 from conftest import TINY, compose_config
 from omegaconf import open_dict
 
-from syncbn_lab.multirun import ERROR_FILE, run_job
+from syncbn_lab.multirun import ERROR_FILE, SweepProgress, job_count, run_job
 from syncbn_lab.train import run
 
 RUN = [*TINY, "trainer.max_steps=2"]
@@ -64,3 +65,45 @@ def test_skip_finished_refuses_a_finished_run_of_another_config(tmp_path):
     error = json.loads((tmp_path / ERROR_FILE).read_text())["error"]
     assert error.startswith(f"{tmp_path} holds a finished run of another config (differs in ")
     assert "trainer.max_steps)" in error
+
+
+def test_job_count_is_the_product_of_the_sweeps_comma_lists():
+    # configs/experiment/bn_vs_syncbn.yaml: bn, sync x devices 1 ... 64 x seeds 0 ... 3
+    assert job_count(["experiment=bn_vs_syncbn"]) == 2 * 7 * 4
+    # the command line wins for a key the experiment sweeps too
+    assert job_count(["experiment=bn_vs_syncbn", "bn=brn", "parallel.devices=8,16"]) == 2 * 4
+    assert job_count([*TINY, "bn=bn,sync,gn", "trainer.seed=0,1"]) == 3 * 2
+
+
+def test_sweep_progress_says_each_run_once_with_its_result_and_the_time_left(tmp_path):
+    def write(name, file, record, mtime):
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / file).write_text(json.dumps(record))
+        os.utime(tmp_path / name / file, (mtime, mtime))
+
+    cell = {"bn": "sync", "parallel": "emulated", "devices": 2, "per_device_batch_size": 32}
+    finished = {**cell, "seed": 0, "test_acc": 91.5, "steps": 6, "train_loss": 0.3}
+    write("0_sync_emulated2_s0", "summary.json", {**finished, "wall_time_s": 9.0}, 100)
+    write("1_bn_emulated3_s0", ERROR_FILE, {"error": "an earlier attempt"}, 101)
+    clock = [1000.0]
+    progress = SweepProgress(tmp_path, total=4, clock=lambda: clock[0])
+    assert progress.done == 1 and progress.poll() == []  # finished before: no line
+
+    clock[0] += 30
+    write("2_sync_emulated2_s1", "summary.json", {**finished, "seed": 1, "wall_time_s": 12.5}, 200)
+    assert progress.poll() == [
+        "[2/4] sync, emulated x2 (32 images per device), seed 1 | test error 8.50 % | 12.5 s "
+        "| about 1 min 0 s left"  # 30 s for one run, two to go
+    ]
+    clock[0] += 30
+    diverged = {**finished, "seed": 2, "train_loss": None, "wall_time_s": 70.0}
+    write("3_sync_emulated2_s2", "summary.json", diverged, 301)
+    failure = {"error": "rank 1 failed: boom", "bn": "bn", "parallel": "emulated", "devices": 3}
+    write("1_bn_emulated3_s0", ERROR_FILE, {**failure, "per_device_batch_size": 64 / 3}, 300)
+    assert progress.poll() == [
+        "[3/4] bn, emulated x3 (21.3 images per device), seed ? | failed: rank 1 failed: boom "
+        "| ? | about 30.0 s left",
+        "[4/4] sync, emulated x2 (32 images per device), seed 2 | diverged (the training loss "
+        "is not finite) | 1 min 10 s | all runs done",
+    ]
+    assert progress.poll() == []

@@ -5,6 +5,7 @@ of an uninterrupted one."""
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,6 +31,20 @@ def finished(sweep_dir):
         (s["bn"], s["devices"])
         for s in (json.loads(p.read_text()) for p in sweep_dir.rglob("summary.json"))
     )
+
+
+def progress_lines(stdout):
+    """The sweep's line per finished run, ``[k/N] cell | result | time | time left``."""
+    return [line for line in stdout.splitlines() if re.match(r"\[\d+/\d+\] ", line)]
+
+
+def line_of(summary):
+    """The line a finished run gets, written out from its summary.json."""
+    cell = (
+        f"{summary['bn']}, {summary['parallel']} x{summary['devices']} "
+        f"({summary['per_device_batch_size']} images per device), seed {summary['seed']}"
+    )
+    return f"{cell} | test error {100 - summary['test_acc']:.2f} % | {summary['wall_time_s']:.1f} s"
 
 
 def comparable_rows(report_dir):
@@ -70,11 +85,23 @@ def uninterrupted(tmp_path_factory):
 def test_sweep_smoke_writes_report_and_marks_the_failed_cells(uninterrupted):
     sweep_dir, report_dir, result = uninterrupted
     assert result.returncode == 1, result.stderr[-3000:]  # two runs failed
-    assert result.stderr.count("error: job ") == 2, result.stderr[-3000:]
-    assert "error: job 1_bn_emulated3_s0 failed: trainer.global_batch_size=64 is not " in (
-        result.stderr
-    )
+    log = (sweep_dir / "sweep.log").read_text()  # the jobs' own output
+    assert log.count("error: job ") == 2, log[-3000:]
+    assert "error: job 1_bn_emulated3_s0 failed: trainer.global_batch_size=64 is not " in log
     summaries = [json.loads(p.read_text()) for p in sweep_dir.rglob("summary.json")]
+
+    # the terminal: one line per run as it finished, none of the jobs' output
+    lines = progress_lines(result.stdout)
+    assert [line.split("]")[0] for line in lines] == [f"[{k}/9" for k in range(1, 10)], lines
+    assert "epoch " not in result.stdout + result.stderr
+    failed = [line for line in lines if "| failed: trainer.global_batch_size=64 is not" in line]
+    assert len(failed) == 2 and all("x3 (21.3 images per device)" in line for line in failed)
+    for summary in summaries:
+        assert sum(line_of(summary) in line for line in lines) == 1, (line_of(summary), lines)
+    assert all(" left" in line for line in lines[:-1]) and lines[-1].endswith("| all runs done")
+    for summary_file in sweep_dir.rglob("summary.json"):  # each job's lines in its train.log
+        run_log = (summary_file.parent / "train.log").read_text()
+        assert "epoch 1 | step 6 |" in run_log and "-- run finished" in run_log
     assert finished(sweep_dir) == FINISHED  # the 3-device runs failed
     assert sorted(s["parallel"] for s in summaries) == ["ddp"] + ["emulated"] * 6
     assert all(s["steps"] == 6 for s in summaries)
@@ -116,8 +143,8 @@ def test_a_sweep_killed_midway_resumes_to_the_same_report(uninterrupted, tmp_pat
     assert 1 <= len(before) < len(FINISHED), before  # killed midway
     kept = {p: p.stat().st_mtime_ns for p in sweep_dir.rglob("summary.json")}
 
-    result = subprocess.run(
-        sweep_command(report_dir, "--resume", str(sweep_dir)),
+    result = subprocess.run(  # --verbose: the jobs' own output on the terminal too
+        sweep_command(report_dir, "--resume", str(sweep_dir), "--verbose"),
         capture_output=True,
         text=True,
         timeout=300,
@@ -127,6 +154,12 @@ def test_a_sweep_killed_midway_resumes_to_the_same_report(uninterrupted, tmp_pat
     assert finished(sweep_dir) == FINISHED
     assert all(p.stat().st_mtime_ns == mtime for p, mtime in kept.items())  # not rerun
     assert result.stderr.count("skipped: ") == len(before), result.stderr[-3000:]
+    assert "epoch 1 | step 6 |" in result.stdout  # the jobs' epoch lines
+    assert f"resumed: {len(before)} of 9 runs finished before" in result.stdout
+    lines = progress_lines(result.stdout)  # only the runs still to do, numbered on from there
+    assert [line.split("]")[0] for line in lines] == [
+        f"[{k}/9" for k in range(len(before) + 1, 10)
+    ], lines
     assert comparable_rows(report_dir) == comparable_rows(uninterrupted[1])
     assert comparable_readme(report_dir) == comparable_readme(uninterrupted[1])
 
