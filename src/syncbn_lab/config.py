@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from syncbn_lab.engine import compute
 from syncbn_lab.errors import ConfigError, warn_one_line
 
 PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
@@ -65,6 +66,7 @@ def validate(cfg: DictConfig) -> DictConfig:
         )
     _check_components(cfg)
     _check_callbacks(t.get("callbacks"))
+    compute.check(cfg)
     if cfg.bn.name == "brn":
         _check_batch_renorm(cfg)
     derived = {"per_device_batch_size": t.global_batch_size // split, "device": device}

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from syncbn_lab import models
 from syncbn_lab.config import torchrun_env, validate
 from syncbn_lab.engine import checkpoint
+from syncbn_lab.engine.compute import memory_format
 from syncbn_lab.engine.loop import Loaders, Trainer, step_counts
 from syncbn_lab.engine.optim import build_optimizer
 from syncbn_lab.engine.precise_bn import bn_layers
@@ -109,7 +110,7 @@ def _work(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     _, steps = step_counts(t, len(train_batches))  # the Trainer's total_steps
     norm = norm_layer(cfg.bn, emulated_devices=emulated, training_batches=steps * t.accumulate)
     model = models.build(cfg.model, norm, splits.num_classes, splits.in_channels)
-    model = model.to(rt.device, dtype)
+    model = model.to(rt.device, dtype, memory_format=memory_format(t.channels_last))
     parallel = parallelize(model, cfg, rt)
     optimizer = build_optimizer(cfg.optim, model)
     loaders = Loaders(

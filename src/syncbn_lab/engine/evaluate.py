@@ -7,19 +7,27 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from syncbn_lab.engine.compute import to_device
 from syncbn_lab.engine.precision import autocast
 from syncbn_lab.parallel.context import Runtime
 from syncbn_lab.parallel.dp import at_least_fp32
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader, rt: Runtime, precision: str) -> dict[str, float]:
-    """Mean loss and accuracy (percent) over every sample of ``loader`` on all ranks."""
+def evaluate(
+    model: nn.Module,
+    loader: DataLoader,
+    rt: Runtime,
+    precision: str,
+    layout: torch.memory_format = torch.preserve_format,
+) -> dict[str, float]:
+    """Mean loss and accuracy (percent) over every sample of ``loader`` on all ranks;
+    ``layout`` is the input batches' memory format (``trainer.channels_last``)."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=rt.device)  # loss sum, correct, count
     for images, labels in loader:
-        images = images.to(rt.device, non_blocking=True)
+        images = to_device(images, rt.device, layout)
         labels = labels.to(rt.device, non_blocking=True)
         with autocast(rt.device, precision):
             logits = model(images)

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import DataLoader
 
-from syncbn_lab.engine import checkpoint
+from syncbn_lab.engine import checkpoint, compute
 from syncbn_lab.engine.evaluate import evaluate
 from syncbn_lab.engine.optim import lr_factor
 from syncbn_lab.engine.precise_bn import update_bn_stats
@@ -64,11 +64,15 @@ class Trainer:
         bn_buffers: BNBuffers | None = None,
     ):
         self.cfg, self.rt = cfg, rt
-        self.model, self.module = model, model_without_ddp
+        self.module = model_without_ddp
+        self.layout = compute.memory_format(cfg.trainer.get("channels_last", False))
+        self.compiled = bool(cfg.trainer.get("compile", False))
+        self.model = compute.compile_model(model) if self.compiled else model
         self.optimizer, self.loaders, self.logger = optimizer, loaders, logger
         self.run_dir = run_dir
         self.bn_buffers = bn_buffers if bn_buffers is not None else BNBuffers()
         self.loss_in_model = bool(getattr(model, "computes_loss", False))
+        self.no_sync = _no_sync(model)  # the wrapped model's, compiled or not
         self.callbacks = _instantiate_callbacks(cfg.trainer.get("callbacks"))
         self.trainer_cfg = cfg.trainer
         self.accumulate = cfg.trainer.accumulate
@@ -120,11 +124,10 @@ class Trainer:
         totals = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
         precision = self.trainer_cfg.precision
         for i, (images, labels) in enumerate(micro_batches):
-            images = images.to(self.rt.device, non_blocking=True)
+            images = compute.to_device(images, self.rt.device, self.layout)
             labels = labels.to(self.rt.device, non_blocking=True)
             last = i == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if last else _no_sync(self.model)
-            with sync:
+            with contextlib.nullcontext() if last else self.no_sync():
                 with autocast(self.rt.device, precision):
                     loss, correct, count = self.forward_loss(images, labels)
                 self.scaler.scale(loss / len(micro_batches)).backward()
@@ -145,7 +148,13 @@ class Trainer:
         the model's replicas (parallel=dp with parallel.loss_in_module)."""
         if self.loss_in_model:
             return loss_and_counts(self.model(images, labels))
-        logits = self.model(images)
+        try:
+            logits = self.model(images)
+        except Exception as e:
+            error = compute.compile_error(e) if self.compiled else None
+            if error is None:
+                raise
+            raise error from None
         loss = F.cross_entropy(at_least_fp32(logits), labels)
         return loss, (logits.argmax(1) == labels).sum(), labels.numel()
 
@@ -255,7 +264,7 @@ class Trainer:
 
     def evaluate(self, loader: DataLoader) -> dict[str, float]:
         with self.bn_buffers.evaluation():
-            return evaluate(self.module, loader, self.rt, self.trainer_cfg.precision)
+            return evaluate(self.module, loader, self.rt, self.trainer_cfg.precision, self.layout)
 
     def precise_bn(self, test_ema: dict[str, float]) -> dict[str, float]:
         """PreciseBN from trainer.precise_bn_batches training batches, then the test set
@@ -267,6 +276,7 @@ class Trainer:
             self.trainer_cfg.precise_bn_batches,
             self.rt,
             autocast=lambda: autocast(self.rt.device, self.trainer_cfg.precision),
+            layout=self.layout,
         )
         if not layers:
             test = test_ema
@@ -278,8 +288,9 @@ class Trainer:
 
 
 def _no_sync(model: nn.Module):
-    """DDP's no_sync for micro-steps before the last; nothing to do for other models."""
-    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+    """DDP's no_sync for micro-steps before the last (a context factory); nothing to do for
+    other models."""
+    return model.no_sync if hasattr(model, "no_sync") else contextlib.nullcontext
 
 
 def step_counts(trainer_cfg: DictConfig, train_batches: int) -> tuple[int, int]:

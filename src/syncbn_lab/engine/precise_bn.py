@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from syncbn_lab.engine.compute import to_device
 from syncbn_lab.parallel.context import Runtime
 
 
@@ -76,12 +77,14 @@ def update_bn_stats(
     num_batches: int,
     rt: Runtime,
     autocast=None,
+    layout: torch.memory_format = torch.preserve_format,
 ) -> int:
     """Set every BN layer's running statistics to the population statistics of
     ``num_batches`` batches of ``batches`` (``(images, labels)`` pairs; cycled if shorter).
 
     Collective under DDP: every rank must call it with the same ``num_batches``. Returns the
-    number of layers updated (0 for a model without BatchNorm).
+    number of layers updated (0 for a model without BatchNorm). ``autocast`` makes the
+    context of each forward, ``layout`` is the input batches' memory format.
     """
     layers = bn_layers(model)
     if not layers or num_batches < 1:
@@ -100,7 +103,7 @@ def update_bn_stats(
             plain.enter_context(layer.as_batchnorm())
     try:
         for images, _ in itertools.islice(_cycle(batches), num_batches):
-            images = images.to(rt.device, non_blocking=True)
+            images = to_device(images, rt.device, layout)
             with autocast() if autocast is not None else contextlib.nullcontext():
                 model(images)
     finally:

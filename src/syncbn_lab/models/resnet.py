@@ -25,6 +25,37 @@ def conv3x3(in_channels: int, out_channels: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
 
 
+class _GlobalAvgPool(torch.autograd.Function):
+    """Mean over the spatial dims whose gradient has the input's memory layout.
+
+    The forward is ``x.mean((2, 3), keepdim=True)``, which is what adaptive average pooling
+    to 1x1 computes. Autograd's gradient of it is a broadcast view that strides like an NCHW
+    tensor; for a channels_last input the ReLU backward before the pool then mixes two
+    layouts and runs ~10x slower than on matching ones (1.8 ms instead of 0.2 ms for
+    64x64x7x7 in bfloat16 at one thread). This backward writes the gradient in the input's
+    layout; the values are the same.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.shape = x.shape
+        ctx.channels_last = x.is_contiguous(memory_format=torch.channels_last)
+        return x.mean((2, 3), keepdim=True)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = ctx.shape
+        layout = torch.channels_last if ctx.channels_last else torch.contiguous_format
+        return (grad / (h * w)).expand(n, c, h, w).contiguous(memory_format=layout)
+
+
+class GlobalAvgPool(nn.Module):
+    """``nn.AdaptiveAvgPool2d(1)`` for 4-D input, with a gradient in the input's layout."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _GlobalAvgPool.apply(x)
+
+
 class BasicBlock(nn.Module):
     """Two 3x3 convolutions with a residual connection."""
 
@@ -72,7 +103,7 @@ class CifarResNet(nn.Module):
                 stages.append(BasicBlock(channels, stage_width, stride, norm))
                 channels = stage_width
         self.stages = nn.Sequential(*stages)
-        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.pool = GlobalAvgPool()
         self.fc = nn.Linear(channels, num_classes)
         _init_weights(self, zero_init_residual, last_norms=lambda b: [b.bn2])
 
@@ -121,6 +152,7 @@ def torchvision_resnet(
         model.maxpool = nn.Identity()
     elif in_channels != 3:
         model.conv1 = nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False)
+    model.avgpool = GlobalAvgPool()
     last = "bn3" if arch == "resnet50" else "bn2"
     _init_weights(model, zero_init_residual, last_norms=lambda b: [getattr(b, last, None)])
     return model

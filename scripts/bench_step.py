@@ -1,0 +1,197 @@
+"""The study's training step under each speed lever, side by side (a benchmark, not a test).
+
+The workload of `experiment=bn_vs_syncbn`: resnet8 on 28x28 one-channel images (synthetic
+data of Fashion-MNIST's shapes, so no download), global batch 64, one thread, through
+`syncbn_lab.train.run` as a user runs it (data loading included). For each norm variant
+(bn at 1 and 32 emulated devices; sync, brn and gn at 32) and each lever (fp32 eager NCHW as
+today, bf16 autocast, channels_last, torch.compile, and their combinations) it trains
+warm-up + measured steps and reads images/s over the measured steps from metrics.jsonl, so a
+compile's first steps are not counted (its cost is in the `warmup_s` column). Rounds
+alternate the levers, so machine noise hits every column alike; the median is printed.
+
+It also prints the share of this machine's float32 and bfloat16 GEMM peak (a 2048x2048
+matmul, measured in the same run) that the step reaches, from the FLOPs per image that
+torch.utils.flop_counter counts (convolutions and the classifier, forward and backward).
+
+    python scripts/bench_step.py [--rounds 3] [--steps 60] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from syncbn_lab.provenance import write_json
+
+VARIANTS = {  # name -> overrides
+    "bn, 1 device": ["bn=bn", "parallel=single"],
+    "bn, 32 devices": ["bn=bn", "parallel=emulated", "parallel.devices=32"],
+    "sync, 32 devices": ["bn=sync", "parallel=emulated", "parallel.devices=32"],
+    "brn, 32 devices": ["bn=brn", "parallel=emulated", "parallel.devices=32"],
+    "gn, 32 devices": ["bn=gn", "parallel=emulated", "parallel.devices=32"],
+}
+LEVERS = {  # name -> (precision, channels_last, compile)
+    "fp32 eager NCHW": ("fp32", False, False),
+    "bf16": ("bf16", False, False),
+    "channels_last": ("fp32", True, False),
+    "compile": ("fp32", False, True),
+    "bf16 + channels_last": ("bf16", True, False),
+    "bf16 + channels_last + compile": ("bf16", True, True),
+}
+BASELINE = "fp32 eager NCHW"
+BATCH = 64
+
+
+def workload(variant: str, lever: str, warmup: int, steps: int) -> list[str]:
+    precision, channels_last, compiled = LEVERS[lever]
+    return [
+        *VARIANTS[variant],
+        "model=resnet8",
+        "data=synthetic",
+        "data.image_size=28",
+        "data.num_classes=10",
+        f"data.num_train={BATCH * (warmup + steps)}",
+        "data.num_val=64",
+        "data.num_test=64",
+        f"trainer.global_batch_size={BATCH}",
+        "trainer.epochs=1",
+        f"trainer.max_steps={warmup + steps}",
+        f"trainer.log_every={warmup}",
+        "trainer.threads=1",
+        f"trainer.precision={precision}",
+        f"trainer.channels_last={str(channels_last).lower()}",
+        f"trainer.compile={str(compiled).lower()}",
+        "logger=none",
+    ]
+
+
+def measure(variant: str, lever: str, warmup: int, steps: int) -> tuple[float, float]:
+    """(images/s over the steps after the warm-up, seconds of the warm-up window)."""
+    from syncbn_lab.config import compose
+    from syncbn_lab.train import run
+
+    cfg = compose(workload(variant, lever, warmup, steps))
+    with tempfile.TemporaryDirectory() as tmp:
+        run(cfg, Path(tmp) / "run")
+        records = [json.loads(line) for line in (Path(tmp) / "run/metrics.jsonl").open()]
+    windows = [r["images_per_s"] for r in records if "val/acc" not in r]
+    warm, measured = windows[0], windows[1:]
+    seconds = [warmup * BATCH / s for s in measured]
+    return len(measured) * warmup * BATCH / sum(seconds), warmup * BATCH / warm
+
+
+def gemm_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a size x size matmul in ``dtype`` (best of ``repeats``)."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def flops_per_image() -> float:
+    """Forward + backward FLOPs of one training image of the workload's model."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from syncbn_lab import models
+    from syncbn_lab.config import compose
+    from syncbn_lab.nn.registry import norm_layer
+
+    cfg = compose(["model=resnet8"])
+    model = models.build(cfg.model, norm_layer(cfg.bn), 10, 1)
+    images = torch.randn(BATCH, 1, 28, 28)
+    with FlopCounterMode(display=False) as counter:
+        torch.nn.functional.cross_entropy(
+            model(images), torch.zeros(BATCH, dtype=torch.long)
+        ).backward()
+    return counter.get_total_flops() / BATCH
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=20, help="steps not measured (compile)")
+    parser.add_argument(
+        "--steps", type=int, default=60, help="measured steps (a multiple of --warmup)"
+    )
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--levers", nargs="*", default=list(LEVERS), choices=list(LEVERS))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.steps % args.warmup:
+        parser.error("--steps must be a multiple of --warmup (the logging window)")
+    levers = [BASELINE] + [lever for lever in args.levers if lever != BASELINE]
+    torch.set_num_threads(1)
+
+    peaks = {"fp32": gemm_peak(torch.float32), "bf16": gemm_peak(torch.bfloat16)}
+    flops = flops_per_image()
+    print(
+        f"GEMM peak at 1 thread: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 "
+        f"{peaks['bf16'] / 1e9:.0f} GFLOP/s; the step: {flops / 1e6:.1f} MFLOP per image"
+    )
+    samples = {(v, lever): [] for v in args.variants for lever in levers}
+    warmups = {(v, lever): [] for v in args.variants for lever in levers}
+    for round_ in range(args.rounds):
+        for variant in args.variants:
+            for lever in levers:
+                rate, warm = measure(variant, lever, args.warmup, args.steps)
+                samples[variant, lever].append(rate)
+                warmups[variant, lever].append(warm)
+                print(
+                    f"  round {round_ + 1}: {variant:<17} {lever:<31} {rate:7.0f} images/s",
+                    flush=True,
+                )
+
+    records = []
+    columns = ("images/s", "x today", "fp32 peak", "bf16 peak", "warmup_s")
+    print(f"{'variant':<17} {'lever':<31} " + " ".join(f"{c:>9}" for c in columns))
+    for variant in args.variants:
+        base = statistics.median(samples[variant, BASELINE])
+        for lever in levers:
+            rate = statistics.median(samples[variant, lever])
+            achieved = rate * flops
+            record = {
+                "variant": variant,
+                "lever": lever,
+                "precision": LEVERS[lever][0],
+                "channels_last": LEVERS[lever][1],
+                "compile": LEVERS[lever][2],
+                "images_per_s": rate,
+                "images_per_s_rounds": samples[variant, lever],
+                "ratio_to_today": rate / base,
+                "share_of_fp32_peak": achieved / peaks["fp32"],
+                "share_of_bf16_peak": achieved / peaks["bf16"],
+                "warmup_s": statistics.median(warmups[variant, lever]),
+            }
+            records.append(record)
+            print(
+                f"{variant:<17} {lever:<31} {rate:9.0f} {record['ratio_to_today']:7.2f}x "
+                f"{record['share_of_fp32_peak']:9.0%} {record['share_of_bf16_peak']:9.0%} "
+                f"{record['warmup_s']:9.1f}"
+            )
+    if args.json:
+        write_json(
+            args.json,
+            records,
+            gemm_peak_flops={k: v for k, v in peaks.items()},
+            flops_per_image=flops,
+            threads=1,
+            batch=BATCH,
+            warmup_steps=args.warmup,
+            measured_steps=args.steps,
+            rounds=args.rounds,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""How a training step computes, apart from its precision: memory layout and compilation.
+
+- ``trainer.channels_last``: the model's 4-D parameters and every input batch in
+  ``torch.channels_last`` (NHWC). oneDNN's convolutions run faster in it on a CPU, and the
+  fused norm kernels keep the layout they are given, so no layer converts back.
+- ``trainer.compile``: the training forward (and its backward, through AOTAutograd) goes
+  through ``torch.compile(fullgraph=True)``. The norm ops of ``syncbn_lab._C`` are
+  torch.library ops with fake kernels, so the graph holds them whole. Evaluation runs eagerly
+  on the unwrapped module: it is a small share of a run and would otherwise compile a graph
+  per evaluation batch size.
+
+Neither changes what is computed: channels_last and compilation reorder float32 sums at
+most (``reports/fast_vs_fp32/`` measures it next to the noise floor); bf16 autocast is
+``trainer.precision``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from syncbn_lab.errors import ConfigError
+
+
+def memory_format(channels_last: bool) -> torch.memory_format:
+    """The layout of parameters and input batches for ``trainer.channels_last``."""
+    return torch.channels_last if channels_last else torch.preserve_format
+
+
+def to_device(images: torch.Tensor, device: torch.device, layout: torch.memory_format):
+    """An input batch on ``device`` in ``layout`` (a no-op copy-wise when it already is)."""
+    if images.dim() != 4:
+        layout = torch.preserve_format
+    return images.to(device, non_blocking=True, memory_format=layout)
+
+
+def check(cfg: DictConfig) -> None:
+    """The combinations trainer.compile cannot run, as one line before the run starts."""
+    t = cfg.trainer
+    for key in ("channels_last", "compile"):
+        if not isinstance(t.get(key, False), bool):
+            raise ConfigError(f"trainer.{key}={t.get(key)} must be true or false")
+    if not t.get("compile", False):
+        return
+    if cfg.parallel.name == "dp":
+        raise ConfigError(
+            "trainer.compile=true cannot compile DataParallel (its replicas are made on every "
+            "forward); use parallel=ddp or trainer.compile=false"
+        )
+    if cfg.parallel.name == "ddp" and cfg.bn.name in ("sync", "torch_sync"):
+        raise ConfigError(
+            f"trainer.compile=true cannot trace bn={cfg.bn.name} under parallel=ddp (its "
+            "all_reduce runs inside the norm layers); use trainer.compile=false, or "
+            "parallel=emulated, whose SyncBN needs no collective"
+        )
+
+
+def compile_model(model: nn.Module) -> Callable:
+    """``model`` compiled as one graph; a failure surfaces at its first call (see
+    :func:`compile_error`)."""
+    return torch.compile(model, fullgraph=True, dynamic=False)
+
+
+def compile_error(error: BaseException) -> ConfigError | None:
+    """The one-line error for an exception raised while compiling, or None for any other."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    if not isinstance(error, TorchDynamoException):
+        return None
+    reason = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return ConfigError(
+        f"trainer.compile=true failed to compile the model ({type(error).__name__}: "
+        f"{reason[:300]}); run with trainer.compile=false"
+    )
