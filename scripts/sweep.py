@@ -29,13 +29,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
 
-from syncbn_lab.multirun import SweepProgress, job_count
+from syncbn_lab.logging import log_report
+from syncbn_lab.logging.console import display_path
+from syncbn_lab.multirun import SweepProgress, job_count, multirun_config, one_line
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = [
@@ -118,6 +121,25 @@ def multirun(arguments: list[str], progress: SweepProgress, log: Path, verbose: 
                 return job.returncode
             with contextlib.suppress(subprocess.TimeoutExpired):
                 job.wait(POLL_S)
+
+
+def log_report_to_wandb(arguments: list[str], report_dir: Path, sweep_dir: Path, name: str):
+    """The report as one W&B run in the sweep's group, where the runs logged to W&B (the
+    logger config of the sweep's runs: offline by default)."""
+    logger = multirun_config(arguments).logger
+    if logger.name != "wandb":
+        return
+    group = logger.group or name
+    try:
+        lines = log_report(report_dir, logger, group, sweep_dir)
+    except Exception as e:  # the report is written; W&B is a copy of it
+        print(f"warning: the report was not logged to W&B ({one_line(e)})", file=sys.stderr)
+        return
+    print(f"W&B: the report is run 'report' of group {group}, {lines[0]}", flush=True)
+    if (os.environ.get("WANDB_MODE") or logger.mode) == "offline":
+        runs = f"{display_path(sweep_dir)}/*/wandb/offline-run-*"
+        report = f"{display_path(sweep_dir)}/wandb/offline-run-*"
+        print(f"W&B: upload the runs and the report: wandb sync {runs} {report}", flush=True)
 
 
 def settings(args: argparse.Namespace) -> tuple[Path, dict]:
@@ -223,6 +245,8 @@ def main() -> None:
             f"{wall:.1f}",
         ],
     )
+    if report.returncode == 0:
+        log_report_to_wandb(runs[0], report_dir, sweep_dir, record["name"])
     if any(statuses) or report.returncode:
         sys.exit(
             f"error: some runs failed (listed above; the report marks them missing); "

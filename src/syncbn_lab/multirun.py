@@ -218,30 +218,38 @@ def _error_files(sweep_dir: Path) -> dict[Path, float]:
     return {p: p.stat().st_mtime for p in sweep_dir.glob(f"*/{ERROR_FILE}")}
 
 
-def job_count(overrides: list[str]) -> int:
-    """How many jobs ``scripts/train.py -m <overrides>`` launches: what Hydra's basic sweeper
-    computes, the product of the comma lists of the sweeper's params (an experiment's
-    ``hydra.sweeper.params``) and of the command line, which wins for a key both set."""
+def multirun_config(overrides: list[str]) -> DictConfig:
+    """The config, Hydra's part included, that ``scripts/train.py -m <overrides>`` composes
+    before it sweeps (``overrides`` without their comma lists)."""
     from hydra import compose, initialize_config_dir
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from syncbn_lab.config import CONFIG_DIR
 
-    parser = OverridesParser.create()
-    fixed = [o.input_line for o in parser.parse_overrides(overrides) if not o.is_sweep_override()]
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     try:
         with (
             initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"),
             warnings.catch_warnings(),
         ):
             warnings.simplefilter("ignore")  # the multirun itself warns, if it must
-            cfg = compose("config", overrides=fixed, return_hydra_config=True)
+            return compose("config", overrides=fixed, return_hydra_config=True)
     finally:
         GlobalHydra.instance().clear()
-    params = [f"{key}={value}" for key, value in (cfg.hydra.sweeper.get("params") or {}).items()]
-    (jobs,) = BasicSweeper.split_arguments(parser.parse_overrides(params + overrides), None)
+
+
+def job_count(overrides: list[str]) -> int:
+    """How many jobs ``scripts/train.py -m <overrides>`` launches: what Hydra's basic sweeper
+    computes, the product of the comma lists of the sweeper's params (an experiment's
+    ``hydra.sweeper.params``) and of the command line, which wins for a key both set."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = multirun_config(overrides).hydra.sweeper.get("params") or {}
+    swept = [f"{key}={value}" for key, value in params.items()] + overrides
+    (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(swept), None)
     return len(jobs)
 
 

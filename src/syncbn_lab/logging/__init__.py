@@ -5,9 +5,11 @@ Only rank 0 logs; the other ranks get a ``NullLogger`` so code never asks who it
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -61,31 +63,101 @@ class RunLogger(NullLogger):
 
 
 def _start_wandb(run_dir: Path, cfg: DictConfig):
-    import wandb
-
-    lcfg = cfg.logger
-    mode = os.environ.get("WANDB_MODE") or lcfg.mode
     tags = [
         f"bn={cfg.bn.name}",
         f"parallel={cfg.parallel.name}",
         f"devices={cfg.parallel.devices}",
         f"per_device_batch={cfg.derived.per_device_batch_size}",
-        *lcfg.tags,
     ]
-    name = lcfg.run_name or (
+    name = cfg.logger.run_name or (
         f"{cfg.bn.name}-{cfg.parallel.name}{cfg.parallel.devices}-s{cfg.trainer.seed}"
     )
+    config = OmegaConf.to_container(cfg, resolve=True)
+    return _init_wandb(cfg.logger, run_dir, name, cfg.logger.group, tags, config)
+
+
+def _init_wandb(
+    lcfg: DictConfig,
+    folder: Path,
+    name: str,
+    group: str | None,
+    tags: list[str],
+    config: Any,
+    job_type: str | None = None,
+):
+    """A W&B run in ``folder`` as ``lcfg`` (the logger config) says; the ``WANDB_MODE``
+    environment variable overrides its mode."""
+    import wandb
+
     return wandb.init(
         project=lcfg.project,
         entity=lcfg.entity,
-        group=lcfg.group,
+        group=group,
         name=name,
-        tags=tags,
-        mode=mode,
-        dir=str(run_dir),
-        config=OmegaConf.to_container(cfg, resolve=True),
+        tags=[*tags, *lcfg.tags],
+        job_type=job_type,
+        mode=os.environ.get("WANDB_MODE") or lcfg.mode,
+        dir=str(folder),
+        config=config,
         settings=wandb.Settings(silent=True, console="off"),
     )
+
+
+REPORT_FILES = ("README.md", "results.csv", "*.png")  # what a report run carries
+
+
+def log_report(report_dir: Path, lcfg: DictConfig, group: str | None, folder: Path) -> list[str]:
+    """Log a sweep's report as one W&B run named ``report`` in the sweep's ``group``: every
+    table of its README.md (one per section), results.csv, and its plots, as W&B tables and
+    images, and the files themselves as a ``report`` artifact. The run goes to ``folder``;
+    returns the lines that say where (offline: its folder and the ``wandb sync`` command)."""
+    import wandb
+
+    run = _init_wandb(
+        lcfg, folder, "report", group, ["report"], {"report_dir": str(report_dir)}, "report"
+    )
+    try:
+        record: dict[str, Any] = {}
+        for key, (columns, rows) in report_tables(report_dir).items():
+            record[f"tables/{key}"] = wandb.Table(columns=columns, data=rows)
+        for plot in sorted(report_dir.glob("*.png")):
+            record[f"plots/{plot.stem}"] = wandb.Image(str(plot))
+        run.log(record)
+        artifact = wandb.Artifact(re.sub(r"[^\w.-]", "_", f"report-{group or 'sweep'}"), "report")
+        for pattern in REPORT_FILES:
+            for path in sorted(report_dir.glob(pattern)):
+                artifact.add_file(str(path))
+        run.log_artifact(artifact)
+        return wandb_lines(run)
+    finally:
+        run.finish()
+        wandb.teardown()  # wait until the offline run is written
+
+
+def report_tables(report_dir: Path) -> dict[str, tuple[list[str], list[list[str]]]]:
+    """The tables of a report: ``results`` (results.csv) and each Markdown table of
+    README.md, keyed by its section heading (``_2``, ``_3`` ... for more in one section)."""
+    tables: dict[str, tuple[list[str], list[list[str]]]] = {}
+    csv_file = report_dir / "results.csv"
+    if csv_file.exists():
+        with csv_file.open(newline="") as f:
+            header, *rows = list(csv.reader(f))
+        tables["results"] = (header, rows)
+    readme = report_dir / "README.md"
+    section, block = "report", []
+    for line in [*readme.read_text().splitlines(), ""] if readme.exists() else []:
+        if line.startswith("|"):
+            block.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+            continue
+        if len(block) > 2:  # header, separator, rows
+            key, n = section, 2
+            while key in tables:
+                key, n = f"{section}_{n}", n + 1
+            tables[key] = (block[0], [row for row in block[2:] if len(row) == len(block[0])])
+        block = []
+        if line.startswith("#"):
+            section = re.sub(r"\W+", "_", line.lstrip("#").strip().lower()).strip("_")
+    return tables
 
 
 def _finite(record: dict[str, Any]) -> dict[str, Any]:
