@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import hydra
@@ -36,7 +37,9 @@ def main(cfg: DictConfig) -> float | None:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     # the terminal's lines in train.log, and the traceback of an error that Hydra prints
-    with log_terminal(run_dir / LOG_FILE, log_exceptions=True):
+    # (torchrun ranks > 0 keep no log: their run dir is a throwaway)
+    log = nullcontext() if torchrun_follower() else log_terminal(run_dir / LOG_FILE, True)
+    with log:
         if HydraConfig.get().mode == RunMode.MULTIRUN:  # a failed job must not stop the others
             from syncbn_lab.multirun import run_job
 
@@ -56,12 +59,18 @@ def main(cfg: DictConfig) -> float | None:
         return summary.get("test_acc") if summary else None
 
 
+def torchrun_follower() -> bool:
+    """This process is a torchrun rank > 0."""
+    rank = os.environ.get("RANK")
+    return rank is not None and "WORLD_SIZE" in os.environ and int(rank) != 0
+
+
 def torchrun_follower_args(args: list[str]) -> list[str]:
     """For torchrun ranks > 0: ``args`` with a throwaway Hydra run dir, no .hydra folder and
     no log file (rank 0's run dir is the run's one)."""
-    rank = os.environ.get("RANK")
-    if rank is None or "WORLD_SIZE" not in os.environ or int(rank) == 0:
+    if not torchrun_follower():
         return args
+    rank = os.environ["RANK"]
     scratch = tempfile.mkdtemp(prefix=f"syncbn-lab-rank{rank}-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     replaced = {
