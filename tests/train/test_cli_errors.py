@@ -38,7 +38,6 @@ def assert_one_line_error(result, *fragments):
             ["not divisible"],
         ),
         (["trainer.precision=fp8"], ["trainer.precision=fp8", "fp64"]),
-        (["trainer.overfit_batches=0"], ["trainer.overfit_batches=0", "positive"]),
         (["model.name=nosuch"], ["model.name=nosuch", "model=<name>", "resnet20"]),
         (["bn.name=nosuch"], ["bn.name=nosuch", "bn=<name>", "sync"]),
         (["data.name=nosuch"], ["data.name=nosuch", "data=<name>", "mnist"]),

@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import ROOT, TINY
 
+from syncbn_lab.config import validate
+from syncbn_lab.errors import ConfigError
 from syncbn_lab.parallel.context import Runtime
 from syncbn_lab.parallel.sampling import DeviceBatchSampler, RepeatedBatches
 from syncbn_lab.train import run
@@ -58,12 +61,18 @@ def test_debug_fast_ddp_ends_with_the_block_and_train_log_holds_the_terminal(tmp
 
 
 def test_debug_overfit_fits_one_batch_repeated(tmp_path, tiny_cfg):
-    run(tiny_cfg("debug=overfit"), tmp_path)
+    preset = tiny_cfg("debug=overfit")
+    assert (preset.trainer.overfit_batches, preset.trainer.epochs) == (1, 50)
+    assert preset.logger.name == "none" and preset.data.augment is False
+    run(tiny_cfg("debug=overfit", "trainer.epochs=15"), tmp_path)  # 15 of its 50 steps
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in records}  # a step's last record: its epoch's
-    assert sorted(by_step) == list(range(1, 51))  # 50 epochs of one step
-    assert by_step[50]["train/loss"] < by_step[1]["train/loss"] / 4
-    assert by_step[50]["train/acc"] == 100.0  # the 32 images are learnt by heart
+    assert sorted(by_step) == list(range(1, 16))  # one step per epoch
+    assert {r["epoch"] for r in records} == set(range(1, 16))
+    assert by_step[15]["train/loss"] < by_step[1]["train/loss"] / 4
+    assert by_step[15]["train/acc"] == 100.0  # the 32 images are learnt by heart
+    with pytest.raises(ConfigError, match=r"^trainer.overfit_batches=0 must be a positive integer"):
+        validate(tiny_cfg("trainer.overfit_batches=0"))
 
 
 def test_repeated_batches_are_the_first_batches_of_epoch_0():

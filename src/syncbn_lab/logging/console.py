@@ -40,7 +40,8 @@ class _Tee(io.TextIOBase):
 
     def flush(self) -> None:
         self.stream.flush()
-        self.log.flush()
+        if not self.log.closed:  # a Tee left behind after its block ended
+            self.log.flush()
 
     def isatty(self) -> bool:
         return self.stream.isatty()
