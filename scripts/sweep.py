@@ -187,10 +187,7 @@ def settings(args: argparse.Namespace) -> tuple[Path, dict]:
             if launcher == "joblib":
                 overrides = [*overrides, "hydra.launcher.n_jobs=1"]  # the ranks take the cores
         parts.append({"part": part, "overrides": merge(base, overrides)})
-    record = {"name": name, "experiment": experiment, "parts": parts}
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    (sweep_dir / RECORD).write_text(json.dumps(record, indent=1) + "\n")
-    return sweep_dir, record
+    return sweep_dir, {"name": name, "experiment": experiment, "parts": parts}
 
 
 def main() -> None:
@@ -209,18 +206,21 @@ def main() -> None:
     args = parser.parse_args()
     sweep_dir, record = settings(args)
     report_dir = args.report_dir or ROOT / "reports" / record["name"]
-
-    wall_file = sweep_dir / "wall_time_s"
-    earlier = float(wall_file.read_text()) if wall_file.exists() else 0.0
-    start = time.perf_counter()
     runs = [
         multirun_overrides(sweep_dir, record["experiment"], part["overrides"])
         for part in record["parts"]
     ]
     try:
         total = sum(job_count(arguments) for arguments in runs)
-    except Exception as e:  # a bad override: Hydra's message as one line
+    except Exception as e:  # a bad override: Hydra's message as one line, nothing written
         sys.exit(f"error: {' '.join(str(e).split())}")
+    if args.resume is None:
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        (sweep_dir / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+
+    wall_file = sweep_dir / "wall_time_s"
+    earlier = float(wall_file.read_text()) if wall_file.exists() else 0.0
+    start = time.perf_counter()
     progress = SweepProgress(sweep_dir, total)
     log = sweep_dir / LOG
     print(

@@ -193,3 +193,14 @@ def test_an_unknown_experiment_is_one_line_before_anything_is_written(tmp_path):
         "error: --experiment nope is unknown; choose one of bn_vs_syncbn, bn_vs_syncbn_mnist"
     ]
     assert not (tmp_path / "s").exists()
+    # an override that no run can take: Hydra's message as one line, before any run
+    result = subprocess.run(
+        [sys.executable, SWEEP, "--smoke", "--sweep-dir", str(tmp_path / "s"), "trainer.nosuch=1"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: Could not override 'trainer.nosuch'. To append to your config use +trainer.nosuch=1"
+    ]
+    assert not (tmp_path / "s").exists()
