@@ -182,25 +182,26 @@ def test_resume_refuses_new_settings_and_unknown_dirs(tmp_path):
     assert result.stderr.startswith("error: --resume runs the sweep with the settings it was")
 
 
-def test_an_unknown_experiment_is_one_line_before_anything_is_written(tmp_path):
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (
+            ["--experiment", "nope"],
+            "error: --experiment nope is unknown; choose one of bn_vs_syncbn, bn_vs_syncbn_mnist",
+        ),
+        (  # an override that no run can take: Hydra's message, before any run
+            ["--smoke", "trainer.nosuch=1"],
+            "error: Could not override 'trainer.nosuch'. To append to your config use "
+            "+trainer.nosuch=1",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_before_anything_is_written(tmp_path, args, line):
     result = subprocess.run(
-        [sys.executable, SWEEP, "--experiment", "nope", "--sweep-dir", str(tmp_path / "s")],
+        [sys.executable, SWEEP, *args, "--sweep-dir", str(tmp_path / "s")],
         capture_output=True,
         text=True,
     )
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == [
-        "error: --experiment nope is unknown; choose one of bn_vs_syncbn, bn_vs_syncbn_mnist"
-    ]
-    assert not (tmp_path / "s").exists()
-    # an override that no run can take: Hydra's message as one line, before any run
-    result = subprocess.run(
-        [sys.executable, SWEEP, "--smoke", "--sweep-dir", str(tmp_path / "s"), "trainer.nosuch=1"],
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == [
-        "error: Could not override 'trainer.nosuch'. To append to your config use +trainer.nosuch=1"
-    ]
+    assert result.stderr.strip().splitlines() == [line]
     assert not (tmp_path / "s").exists()
