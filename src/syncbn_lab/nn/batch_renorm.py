@@ -36,11 +36,21 @@ __all__ = ["BatchRenorm", "batch_renorm", "renorm_limits"]
 
 
 def renorm_limits(
-    batch: int, rmax: float, dmax: float, warmup_batches: int, ramp_batches: int
-) -> tuple[float, float]:
+    batch: int | Tensor, rmax: float, dmax: float, warmup_batches: int, ramp_batches: int
+) -> tuple[float, float] | tuple[Tensor, Tensor]:
     """(rmax, dmax) in force at training batch ``batch`` (0-based): 1 and 0 during the
-    warm-up, then linear to ``rmax`` and ``dmax`` over ``ramp_batches`` (at once if 0)."""
-    if ramp_batches > 0:
+    warm-up, then linear to ``rmax`` and ``dmax`` over ``ramp_batches`` (at once if 0).
+
+    ``batch`` may be a tensor (the module's ``num_batches_tracked``): the limits are then
+    float64 tensors computed with the same float64 operations, so the module never reads the
+    counter back to Python and torch.compile traces it as one graph."""
+    if isinstance(batch, Tensor):
+        batch = batch.double()
+        if ramp_batches > 0:
+            progress = ((batch - warmup_batches) / ramp_batches).clamp(0.0, 1.0)
+        else:
+            progress = (batch >= warmup_batches).double()
+    elif ramp_batches > 0:
         progress = min(max((batch - warmup_batches) / ramp_batches, 0.0), 1.0)
     else:
         progress = 1.0 if batch >= warmup_batches else 0.0
@@ -66,7 +76,7 @@ def batch_renorm(
     slice 0, as BatchNorm's). Arguments as :func:`syncbn_lab.nn.functional.batch_norm`."""
     if running_mean is None or running_var is None:
         raise ValueError("Batch Renormalization needs running_mean and running_var")
-    if rmax < 1 or dmax < 0:
+    if not isinstance(rmax, Tensor) and (rmax < 1 or dmax < 0):  # tensors: from the module
         raise ValueError(f"Batch Renormalization needs rmax >= 1 and dmax >= 0, got {rmax}, {dmax}")
     F._check_args(
         x, weight, bias, running_mean, running_var, training=True, momentum=momentum,
@@ -97,14 +107,12 @@ class _BatchRenormFunction(torch.autograd.Function):
         compute = torch.float32 if x.dtype in F._HALF_TYPES else x.dtype
         shape = _SliceShape(x, call.devices)
         xs = shape.view(x)
-        xhat = torch.empty_like(x, dtype=compute)  # t = x - K first, then xhat in place
-        t = shape.view(xhat)
-        y = torch.empty_like(x)
-        scratch = shape.view(y if y.dtype == compute else torch.empty_like(xhat))
+        # No out= buffers (torch.compile cannot trace out= into channels_last views); the
+        # operations and their dtypes are BatchNorm's (functional.py), so the values are too.
         # Each slice's mu_B and var_B as BatchNorm computes them (pivoted sums, float64).
         pivot = xs.sum(shape.reduce, dtype=compute) / max(shape.n, 1)
-        torch.sub(xs, shape.per_slice(pivot), out=t)
-        sum_t2 = torch.mul(t, t, out=scratch).sum(shape.reduce)
+        t = xs - shape.per_slice(pivot, compute)  # t = x - K, in the compute dtype
+        sum_t2 = (t * t).sum(shape.reduce)
         slice_mean, slice_m2 = F._slice_moments(pivot, t.sum(shape.reduce), sum_t2, shape.n)
         mu = running_mean.detach().double().clone()  # the running statistics before the update
         sigma = torch.sqrt(running_var.detach().double() + eps)  # sigma = sqrt(running_var + eps)
@@ -114,21 +122,24 @@ class _BatchRenormFunction(torch.autograd.Function):
         r = (torch.sqrt(var + eps) / sigma).clamp(1 / rmax, rmax)  # r = clip(sigma_B/sigma)
         d = ((mean - mu) / sigma).clamp(-dmax, dmax)  # d = clip((mu_B - mu)/sigma)
         offset = mean - pivot.double()
-        # xhat = (x - mu_B) / sigma_B = t * invstd - (mu_B - K) * invstd, in place over t
-        F._scale_shift(
-            t, t, shape.per_slice(invstd, compute), shape.per_slice(-offset * invstd, compute)
+        # xhat = (x - mu_B) / sigma_B = t * invstd - (mu_B - K) * invstd
+        xhat = F._scale_shift(
+            None, t, shape.per_slice(invstd, compute), shape.per_slice(-offset * invstd, compute)
         )
         gamma = weight.double().unsqueeze(0) if weight is not None else 1.0
         beta = bias.double().unsqueeze(0) if bias is not None else 0.0
         scale, shift = gamma * r, gamma * d + beta  # y = (gamma*r) * xhat + (gamma*d + beta)
-        F._scale_shift(scratch, t, shape.per_slice(scale, compute), shape.per_slice(shift, compute))
-        if scratch.data_ptr() != y.data_ptr():
-            y.copy_(scratch.view_as(y))
+        y = torch.empty_like(x)  # not a view of a tensor made here: a ReLU may work in place
+        shape.view(y).copy_(  # rounded once to fp16/bf16
+            F._scale_shift(
+                None, xhat, shape.per_slice(scale, compute), shape.per_slice(shift, compute)
+            )
+        )
 
         ctx.save_for_backward(xhat, weight)
         ctx.invstd_r = (invstd * r).to(compute)  # r / sigma_B
         ctx.r, ctx.d = r.to(compute), d.to(compute)
-        ctx.shape, ctx.count, ctx.input_dtype = shape, m, x.dtype
+        ctx.shape, ctx.count, ctx.input_dtype, ctx.input_shape = shape, m, x.dtype, x.shape
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
 
@@ -140,10 +151,8 @@ class _BatchRenormFunction(torch.autograd.Function):
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
         dy = shape.view(grad_y)
         xhat_s = shape.view(xhat)
-        grad_x = torch.empty_like(xhat)
-        dx = shape.view(grad_x)
         sum_dy = dy.sum(shape.reduce, dtype=xhat.dtype)  # Σdy per slice (D, C)
-        sum_dy_xhat = torch.mul(dy, xhat_s, out=dx).sum(shape.reduce)  # Σdy·xhat per slice
+        sum_dy_xhat = (dy * xhat_s).sum(shape.reduce)  # Σdy·xhat per slice
 
         # dgamma = Σ dy * (r*xhat + d) = r*Σdy·xhat + d*Σdy (per slice, then over slices)
         grad_weight = None
@@ -156,10 +165,9 @@ class _BatchRenormFunction(torch.autograd.Function):
         scale = ctx.invstd_r * gamma  # gamma * r / sigma_B, (D, C)
         m = max(ctx.count, 1)
         # dx = gamma*r/sigma_B/m * (m*dy - Σdy - xhat*Σdy·xhat), as BN's with scale*r
-        F._scale_shift(dx, dy, shape.per_slice(scale), shape.per_slice(-scale * sum_dy / m))
+        dx = F._scale_shift(None, dy, shape.per_slice(scale), shape.per_slice(-scale * sum_dy / m))
         dx.addcmul_(xhat_s, shape.per_slice(-scale * sum_dy_xhat / m))
-        if grad_x.dtype != ctx.input_dtype:
-            grad_x = grad_x.to(ctx.input_dtype)
+        grad_x = dx.to(ctx.input_dtype).reshape(ctx.input_shape)  # a view: autograd's own
         return grad_x, grad_weight, grad_bias, *_NO_GRADS
 
 
@@ -230,12 +238,12 @@ class BatchRenorm(BatchNorm):
         finally:
             self.plain = previous
 
-    def limits(self) -> tuple[float, float]:
-        """(rmax, dmax) for the next training batch."""
+    def limits(self) -> tuple[float, float] | tuple[Tensor, Tensor]:
+        """(rmax, dmax) for the next training batch (float64 tensors, see renorm_limits)."""
         if self.plain:
             return 1.0, 0.0
         return renorm_limits(
-            int(self.num_batches_tracked), self.rmax, self.dmax,
+            self.num_batches_tracked, self.rmax, self.dmax,
             self.warmup_batches, self.ramp_batches,
         )  # fmt: skip
 

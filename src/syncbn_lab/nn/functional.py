@@ -190,7 +190,7 @@ _announced: set[str] = set()
 def _announce(choice: str, warn: bool = False) -> None:
     """Says once per process and distinct choice what impl="auto" runs: an info line of the
     run log, or a warning (``warn``) when the kernels are missing from this build."""
-    if choice in _announced or torch.compiler.is_compiling():  # Dynamo cannot trace either
+    if torch.compiler.is_compiling() or choice in _announced:  # first: no guard on the set
         return
     _announced.add(choice)
     if warn:
@@ -286,6 +286,13 @@ def _fused_single_op(call: BatchNormCall) -> Tensor:
 
 
 def _reference_batch_norm(call: BatchNormCall) -> Tensor:
+    if not call.training and torch.compiler.is_compiling():
+        # Eval under torch.compile: an elementwise pass with the running statistics, which
+        # torch's batch_norm computes as the reference does up to float32 rounding (the
+        # reference writes through out= into channels_last buffers: Dynamo cannot trace that).
+        return torch.nn.functional.batch_norm(
+            call.x, call.running_mean, call.running_var, call.weight, call.bias, eps=call.eps
+        )
     # x, weight and bias go to apply() on their own: autograd tracks the tensors among its
     # arguments, not the tensors inside the call.
     return _BatchNormFunction.apply(call.x, call.weight, call.bias, call)
@@ -613,19 +620,25 @@ def _update_running_stats(
     running_var.lerp_(unbiased_var.to(running_var.dtype), factor)
 
 
-def _scale_shift(out: Tensor, t: Tensor, scale: Tensor | None, shift: Tensor | None) -> None:
-    """out = t * scale + shift with per-channel scale and shift (``None``: 1 and 0).
+def _scale_shift(
+    out: Tensor | None, t: Tensor, scale: Tensor | None, shift: Tensor | None
+) -> Tensor:
+    """out = t * scale + shift with per-channel scale and shift (``None``: 1 and 0); returns
+    out, a new tensor when ``out`` is None.
 
     One addcmul pass when channels are the innermost dimension (channels_last, 2-D input);
     otherwise a multiply and an add, because on CPU an elementwise op vectorises over at most
     one operand that is constant along the innermost dimension, and addcmul would have two.
     """
+    into = {} if out is None else {"out": out}
     if scale is not None and shift is not None and t.stride(2) == 1:
-        torch.addcmul(shift, t, scale, out=out)
-        return
+        return torch.addcmul(shift, t, scale, **into)
     if scale is not None:
-        torch.mul(t, scale, out=out)
+        out = torch.mul(t, scale, **into)
+    elif out is None:
+        out = t.clone()
     elif out.data_ptr() != t.data_ptr():
         out.copy_(t)
     if shift is not None:
         out.add_(shift)
+    return out
