@@ -21,7 +21,7 @@ the report.
 While it works the sweep prints one line per finished run: k of N, the run's cell, its test
 error or why it has none (failed, diverged), its time and the sweep's estimated time left.
 The jobs' own output (Hydra's launch lines, epoch lines) goes to <sweep dir>/sweep.log, and
-each run's to its own train.log; --verbose prints the jobs' output as well.
+each run's to its own train.log; --verbose prints the jobs' output on the terminal instead.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def multirun_overrides(sweep_dir: Path, experiment: str, overrides: list[str]) -
 
 def multirun(arguments: list[str], progress: SweepProgress, log: Path, verbose: bool) -> int:
     """One Hydra multirun; prints a line per run as it finishes. The jobs' output goes to
-    ``log``, and to the terminal too when ``verbose``. Returns its exit status (1: some jobs
+    ``log``, or to the terminal when ``verbose``. Returns its exit status (1: some jobs
     failed)."""
     command = [sys.executable, str(ROOT / "scripts" / "train.py"), "-m", *arguments]
     with open(log, "a") as out:
@@ -200,7 +200,7 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, default=None, metavar="SWEEP_DIR")
     parser.add_argument("--report-dir", type=Path, default=None)
     parser.add_argument(
-        "--verbose", action="store_true", help="also print the jobs' own output (epoch lines)"
+        "--verbose", action="store_true", help="print the jobs' own output (epoch lines) too"
     )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
@@ -224,8 +224,8 @@ def main() -> None:
     progress = SweepProgress(sweep_dir, total)
     log = sweep_dir / LOG
     print(
-        f"sweep of {progress.total} runs -> {sweep_dir}; the jobs' output: {log}, each run's "
-        "train.log",
+        f"sweep of {progress.total} runs -> {display_path(sweep_dir)}; the jobs' output: "
+        f"{display_path(log)}, each run's train.log",
         flush=True,
     )
     if progress.done:
