@@ -51,6 +51,16 @@ BATCH = 64
 def workload(variant: str, lever: str, warmup: int, steps: int) -> list[str]:
     precision, channels_last, compiled = LEVERS[lever]
     return [
+        f"trainer.precision={precision}",
+        f"trainer.channels_last={str(channels_last).lower()}",
+        f"trainer.compile={str(compiled).lower()}",
+        *shapes(variant, warmup, steps),
+    ]
+
+
+def shapes(variant: str, warmup: int, steps: int) -> list[str]:
+    """The study's step (model, image shape, batch, one thread) for ``variant``."""
+    return [
         *VARIANTS[variant],
         "model=resnet8",
         "data=synthetic",
@@ -64,9 +74,6 @@ def workload(variant: str, lever: str, warmup: int, steps: int) -> list[str]:
         f"trainer.max_steps={warmup + steps}",
         f"trainer.log_every={warmup}",
         "trainer.threads=1",
-        f"trainer.precision={precision}",
-        f"trainer.channels_last={str(channels_last).lower()}",
-        f"trainer.compile={str(compiled).lower()}",
         "logger=none",
     ]
 
@@ -84,6 +91,54 @@ def measure(variant: str, lever: str, warmup: int, steps: int) -> tuple[float, f
     warm, measured = windows[0], windows[1:]
     seconds = [warmup * BATCH / s for s in measured]
     return len(measured) * warmup * BATCH / sum(seconds), warmup * BATCH / warm
+
+
+def profile(variant: str, warmup: int, steps: int, out: Path) -> dict:
+    """The study's own configuration (experiment=bn_vs_syncbn's levers) of ``variant``,
+    profiled over the measured steps (engine/profile.py)."""
+    from syncbn_lab.config import compose
+    from syncbn_lab.engine.profile import StepProfiler
+    from syncbn_lab.train import run
+
+    callback = (
+        f"trainer.callbacks=[{{_target_:{StepProfiler.__module__}.StepProfiler,"
+        f"start:{warmup},steps:{steps},out:'{out}'}}]"
+    )
+    study = compose(["experiment=bn_vs_syncbn"]).trainer
+    levers = [
+        f"trainer.{k}={str(study[k]).lower()}" for k in ("precision", "channels_last", "compile")
+    ]
+    cfg = compose([*levers, *shapes(variant, warmup, steps), callback])
+    with tempfile.TemporaryDirectory() as tmp:
+        run(cfg, Path(tmp) / "run")
+    return json.loads(out.read_text())
+
+
+def profile_table(profiles: dict[str, dict]) -> str:
+    """Markdown: ms per step by category and by phase, one column per variant."""
+    variants = list(profiles)
+    categories = list(
+        dict.fromkeys(c for p in profiles.values() for c in p["categories_ms_per_step"])
+    )
+    lines = ["| ms per step | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
+    for c in categories:
+        lines.append(
+            f"| {c} | "
+            + " | ".join(f"{p['categories_ms_per_step'].get(c, 0):.2f}" for p in profiles.values())
+            + " |"
+        )
+    lines.append(
+        "| **all operators** | "
+        + " | ".join(f"**{p['ms_per_step']:.2f}**" for p in profiles.values())
+        + " |"
+    )
+    for phase in ("data", "forward", "backward", "optimizer"):
+        lines.append(
+            f"| phase: {phase} | "
+            + " | ".join(f"{p['phases_ms_per_step'][phase]:.2f}" for p in profiles.values())
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def gemm_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
@@ -127,6 +182,9 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--levers", nargs="*", default=list(LEVERS), choices=list(LEVERS))
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--profile", type=Path, help="also profile the study's configuration: FILE.json and FILE.md"
+    )
     args = parser.parse_args()
     if args.steps % args.warmup:
         parser.error("--steps must be a multiple of --warmup (the logging window)")
@@ -179,6 +237,18 @@ def main() -> None:
                 f"{record['share_of_fp32_peak']:9.0%} {record['share_of_bf16_peak']:9.0%} "
                 f"{record['warmup_s']:9.1f}"
             )
+    if args.profile:
+        profiles = {}
+        for variant in args.variants:
+            out = args.profile.with_name(
+                f"{args.profile.stem}.{variant.split(',')[0]}{variant.split()[-2]}.json"
+            )
+            profiles[variant] = profile(variant, args.warmup, args.steps, out)
+            out.unlink()
+        table = profile_table(profiles)
+        print(table)
+        write_json(args.profile.with_suffix(".json"), profiles, threads=1, batch=BATCH)
+        args.profile.with_suffix(".md").write_text(table)
     if args.json:
         write_json(
             args.json,

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
+from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
 from syncbn_lab.engine import checkpoint, compute
@@ -128,19 +129,21 @@ class Trainer:
             labels = labels.to(self.rt.device, non_blocking=True)
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.no_sync():
-                with autocast(self.rt.device, precision):
+                with autocast(self.rt.device, precision), record_function("forward"):
                     loss, correct, count = self.forward_loss(images, labels)
-                self.scaler.scale(loss / len(micro_batches)).backward()
+                with record_function("backward"):
+                    self.scaler.scale(loss / len(micro_batches)).backward()
             with torch.no_grad():
                 totals[0] += loss.detach() * count
                 totals[1] += correct
                 totals[2] += count
-        if self.trainer_cfg.grad_clip:
-            self.scaler.unscale_(self.optimizer)
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer_cfg.grad_clip)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        with record_function("optimizer"):
+            if self.trainer_cfg.grad_clip:
+                self.scaler.unscale_(self.optimizer)
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer_cfg.grad_clip)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
         return totals
 
     def forward_loss(self, images: torch.Tensor, labels: torch.Tensor):
@@ -180,7 +183,8 @@ class Trainer:
                 if state.step >= self.total_steps:
                     break
                 t0 = time.perf_counter()  # data loading counts towards images/s
-                micro = [next(batches) for _ in range(self.accumulate)]
+                with record_function("data"):  # the phases engine/profile.py reports
+                    micro = [next(batches) for _ in range(self.accumulate)]
                 lr = self.set_lr()
                 totals = self.train_step(micro)
                 elapsed = time.perf_counter() - t0

@@ -1,5 +1,5 @@
 """BatchNorm math and layers: per-device BN, SyncBN over any communicator, Batch
-Renormalization, conversion helpers.
+Renormalization, a GroupNorm for channels_last on CPU, conversion helpers.
 
 ``functional.batch_norm`` is the reference (hand-written forward and backward);
 ``BatchNorm``/``SyncBatchNorm`` are the modules; ``comm`` holds the communicators that are the
@@ -16,12 +16,14 @@ from syncbn_lab.nn.comm import (
 )
 from syncbn_lab.nn.convert import convert_sync_batchnorm, revert_sync_batchnorm
 from syncbn_lab.nn.functional import batch_norm
+from syncbn_lab.nn.group_norm import GroupNorm
 from syncbn_lab.nn.sync_batchnorm import BatchNorm, SyncBatchNorm
 
 __all__ = [
     "BatchNorm",
     "BatchRenorm",
     "Communicator",
+    "GroupNorm",
     "LocalCommunicator",
     "ProcessGroupCommunicator",
     "SyncBatchNorm",

@@ -8,7 +8,8 @@
 | `torch_sync` | torch.nn.SyncBatchNorm                   | the global batch, CUDA only      |
 | `brn`        | syncbn_lab.nn.BatchRenorm (Ioffe 2017)   | each device's slice, corrected   |
 |              |                                          | towards the running statistics   |
-| `gn`         | torch.nn.GroupNorm                       | per sample, batch-independent    |
+| `gn`         | syncbn_lab.nn.GroupNorm (torch's, kept   | per sample, batch-independent    |
+|              | in NCHW for its CPU kernel)              |                                  |
 """
 
 from __future__ import annotations
@@ -73,10 +74,12 @@ def norm_layer(
     if name == "gn":
         groups = cfg.groups
 
+        from syncbn_lab.nn.group_norm import GroupNorm
+
         def group_norm(c: int) -> nn.GroupNorm:
             if c % min(groups, c):
                 raise ValueError(f"bn.groups={groups} does not divide {c} channels; pick a divisor")
-            return nn.GroupNorm(min(groups, c), c, eps=eps)
+            return GroupNorm(min(groups, c), c, eps=eps)
 
         return group_norm
     raise ValueError(f"unknown bn '{name}'; choose one of: {', '.join(NAMES)}")
