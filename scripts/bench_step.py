@@ -2,7 +2,8 @@
 
 The workload of `experiment=bn_vs_syncbn`: resnet8 on 28x28 one-channel images (synthetic
 data of Fashion-MNIST's shapes, so no download), global batch 64, one thread, through
-`syncbn_lab.train.run` as a user runs it (data loading included). For each norm variant
+scripts/train.py as a user runs it (data loading included; each run in its own process).
+For each norm variant
 (bn at 1 and 32 emulated devices; sync, brn and gn at 32) and each lever (fp32 eager NCHW as
 today, bf16 autocast, channels_last, torch.compile, and their combinations) it trains
 warm-up + measured steps and reads images/s over the measured steps from metrics.jsonl, so a
@@ -21,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,6 +48,7 @@ LEVERS = {  # name -> (precision, channels_last, compile)
     "bf16 + channels_last + compile": ("bf16", True, True),
 }
 BASELINE = "fp32 eager NCHW"
+ROOT = Path(__file__).resolve().parent.parent
 BATCH = 64
 
 
@@ -79,13 +83,18 @@ def shapes(variant: str, warmup: int, steps: int) -> list[str]:
 
 
 def measure(variant: str, lever: str, warmup: int, steps: int) -> tuple[float, float]:
-    """(images/s over the steps after the warm-up, seconds of the warm-up window)."""
-    from syncbn_lab.config import compose
-    from syncbn_lab.train import run
-
-    cfg = compose(workload(variant, lever, warmup, steps))
+    """(images/s over the steps after the warm-up, seconds of the warm-up window), from a run
+    of scripts/train.py in its own process: a lever measured after a compiled one would
+    otherwise run beside Dynamo's hooks and Inductor's workers."""
     with tempfile.TemporaryDirectory() as tmp:
-        run(cfg, Path(tmp) / "run")
+        overrides = [*workload(variant, lever, warmup, steps), f"hydra.run.dir={tmp}/run"]
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "scripts/train.py"), *overrides],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode:
+            raise SystemExit(f"{variant}, {lever} failed:\n{done.stderr[-3000:]}")
         records = [json.loads(line) for line in (Path(tmp) / "run/metrics.jsonl").open()]
     windows = [r["images_per_s"] for r in records if "val/acc" not in r]
     warm, measured = windows[0], windows[1:]

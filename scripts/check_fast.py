@@ -81,14 +81,13 @@ def main() -> None:
     args = parser.parse_args()  # fmt: skip
 
     args.out.mkdir(parents=True, exist_ok=True)
-    jobs = [
+    cells = [
         (args.out / f"{bn}{devices}_s{seed}_{arm}", bn, devices, seed, arm)
         for bn, devices in CELLS for seed in args.seeds for arm in ARMS
     ]  # fmt: skip
-    started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
-        runs = list(pool.map(lambda job: train(*job, args.overrides), jobs))
-    wall = time.perf_counter() - started
+    jobs = max(1, min(2, os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        runs = list(pool.map(lambda job: train(*job, args.overrides), cells))
 
     args.report.mkdir(parents=True, exist_ok=True)
     with (args.report / "results.csv").open("w", newline="") as f:
@@ -100,10 +99,10 @@ def main() -> None:
     meta = {
         "command": "python scripts/check_fast.py "
         + shlex.join(sys.argv[1:]).replace(str(ROOT) + "/", ""),
-        "commit": info["git_commit"][:7]
-        + (" (with uncommitted changes)" if info.get("git_dirty") else ""),
+        "commit": ", ".join(sorted({str(r.get("git_commit"))[:7] for r in runs})),
         "machine": f"{machine['cpu']} ({machine['cores']} cores), one thread per run",
-        "wall": f"{wall / 60:.1f} min wall",
+        "wall": f"{sum(r['wall_time_s'] for r in runs) / 60:.1f} min of run time in all, "
+        f"{jobs} at a time",
     }
     levers = describe_levers(compose(["experiment=bn_vs_syncbn"]).trainer)
     (args.report / "README.md").write_text(

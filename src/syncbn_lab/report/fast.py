@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from syncbn_lab.report.collect import Run
-from syncbn_lab.report.stats import Paired, mean_std, noise_floor, paired
+from syncbn_lab.report.stats import ALPHA, Paired, mean_std, noise_floor, paired
 
 ARMS = ("fp32", "fast")
 FP32_OVERRIDES = ("trainer.precision=fp32", "trainer.channels_last=false", "trainer.compile=false")
@@ -139,13 +139,26 @@ def describe_levers(trainer) -> str:
     return ", ".join(levers)
 
 
-def verdict(delta: Paired, floor: float) -> str:
-    """ "unchanged" when the paired test finds no difference and the mean shift is within the
-    noise of a difference of two runs; else what it is."""
+def holm(ps: list[float]) -> list[float]:
+    """Holm-adjusted p-values of a family of tests (nan stays nan): a table of many paired
+    tests finds one p < 0.05 by chance; the adjusted p keeps the family's error at 5 %."""
+    ranked = sorted((p, i) for i, p in enumerate(ps) if not math.isnan(p))
+    adjusted, running = [math.nan] * len(ps), 0.0
+    for rank, (p, i) in enumerate(ranked):
+        running = max(running, min(1.0, (len(ranked) - rank) * p))
+        adjusted[i] = running
+    return adjusted
+
+
+def verdict(delta: Paired, floor: float, p: float | None = None) -> str:
+    """ "unchanged" when the paired test finds no difference (at ``p``, Holm-adjusted in a
+    family; the test's own p by default) and the mean shift is within the noise of a
+    difference of two runs; else what it is."""
     if delta.n == 0 or math.isnan(delta.mean):
         return "no pairs"
     within = abs(delta.mean) <= math.sqrt(2) * floor
-    if delta.significant:
+    p = delta.p if p is None else p
+    if not math.isnan(p) and p < ALPHA:
         return "changed (significant)" if not within else "shifted within the noise (significant)"
     return "unchanged" if within else "not significant, beyond the noise"
 
@@ -175,14 +188,22 @@ def render(
         f"{floor['train_loss']:.4f} final training loss; a difference of two runs has sqrt(2) "
         f"times that: {pair_floor[0]:.2f} pp, {pair_floor[1]:.4f}).",
         "",
-        f"Produced by `{meta['command']}` at commit {meta['commit']} on {meta['machine']}; "
+        f"Produced by `{meta['command']}`, the runs at commit {meta['commit']}, on "
+        f"{meta['machine']}; "
         f"{len(runs)} runs, {meta['wall']}.",
         "",
+        "The verdicts test at 5 % for the whole table (Holm's adjustment of its p-values; a "
+        "table of 12 tests finds one p < 0.05 by chance in about half of all cases), and call "
+        "a shift within the noise when its mean is at most the noise of a difference of two "
+        "runs.",
+        "",
         _row("bn", "images per device", "metric", "fp32 (mean ± std)", "fast (mean ± std)",
-             "fast - fp32 (paired)", "p", "verdict"),
-        _row(*["---"] * 8),
+             "fast - fp32 (paired)", "p", "p (Holm)", "verdict"),
+        _row(*["---"] * 9),
     ]  # fmt: skip
-    for c in compare(runs):
+    comparisons = compare(runs)
+    adjusted = holm([c.delta.p for c in comparisons])
+    for c, p_holm in zip(comparisons, adjusted, strict=True):
         label, unit = METRICS[c.metric]
         digits = 2 if unit == "pp" else 4
         lines.append(
@@ -193,16 +214,20 @@ def render(
                 f"{c.fp32[0]:.{digits}f} ± {c.fp32[1]:.{digits}f}",
                 f"{c.fast[0]:.{digits}f} ± {c.fast[1]:.{digits}f}",
                 f"{_fmt(c.delta.mean, unit)} ± {c.delta.std:.{digits}f} (n={c.delta.n})",
-                f"{c.delta.p:.2f}",
-                verdict(c.delta, floor[c.metric]),
+                f"{c.delta.p:.3f}",
+                f"{p_holm:.3f}",
+                verdict(c.delta, floor[c.metric], p_holm),
             )
         )
-    lines += ["", "Over all cells (one paired test over every cell and seed):", ""]
+    lines += ["", "Over all cells (one paired test over every cell and seed per metric):", ""]
+    deltas = {metric: pooled(runs, metric) for metric in METRICS}
+    adjusted = dict(zip(deltas, holm([d.p for d in deltas.values()]), strict=True))
     for metric, (label, unit) in METRICS.items():
-        d = pooled(runs, metric)
+        d = deltas[metric]
         lines.append(
             f"- {label}: fast - fp32 = {_fmt(d.mean, unit)} ± {d.std:.{2 if unit == 'pp' else 4}f}"
-            f" over {d.n} pairs, p = {d.p:.2f}: {verdict(d, floor[metric])}."
+            f" over {d.n} pairs, p = {d.p:.3f} (Holm {adjusted[metric]:.3f}): "
+            f"{verdict(d, floor[metric], adjusted[metric])}."
         )
     train, wall = speed(runs, "train_time_s"), speed(runs, "wall_time_s")
     lines += [
