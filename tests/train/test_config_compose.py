@@ -79,16 +79,21 @@ def test_cfg_job_prints_composed_config(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "experiment,dataset,seeds",
-    [("bn_vs_syncbn", "fashion_mnist", 4), ("bn_vs_syncbn_mnist", "mnist", 3)],
+    "experiment,dataset,seeds,step",
+    [
+        ("bn_vs_syncbn", "fashion_mnist", 4, ("bf16", True)),  # reports/fast_vs_fp32/
+        ("bn_vs_syncbn_mnist", "mnist", 3, ("fp32", False)),
+    ],
 )
-def test_study_experiments(experiment, dataset, seeds):
+def test_study_experiments(experiment, dataset, seeds, step):
     """The two studies: the experiment names its dataset and study, emulates devices at a
-    fixed global batch, and its sweep grid is bn and sync x 1 ... 64 devices x the seeds."""
+    fixed global batch, trains in its precision and layout, and its sweep grid is bn and
+    sync x 1 ... 64 devices x the seeds."""
     cfg = compose_config([f"experiment={experiment}"])
     assert (cfg.data.name, cfg.model.name, cfg.parallel.name) == (dataset, "resnet8", "emulated")
     assert cfg.study == experiment and cfg.trainer.global_batch_size == 64
-    assert cfg.trainer.precise_bn_batches > 0 and cfg.trainer.precision == "fp32"
+    assert cfg.trainer.precise_bn_batches > 0
+    assert (cfg.trainer.precision, cfg.trainer.channels_last) == step
     validate(cfg)
     grid = OmegaConf.load(Path(CONFIG_DIR) / "experiment" / f"{experiment}.yaml").hydra.sweeper
     assert grid.params.bn == "bn,sync"
