@@ -178,7 +178,7 @@ def test_compile_failure_is_one_line():
 @pytest.mark.parametrize(
     "overrides,fragment",
     [
-        (["trainer.compile=true", "parallel=ddp", "parallel.devices=2", "bn=sync"], "bn=sync"),
+        (["trainer.compile=true", "parallel=ddp", "parallel.devices=2"], "one-process runs"),
         (["trainer.compile=true", "parallel=dp", "parallel.devices=2"], "DataParallel"),
         (["trainer.channels_last=maybe"], "true or false"),
     ],

@@ -4,10 +4,10 @@
   ``torch.channels_last`` (NHWC). oneDNN's convolutions run faster in it on a CPU, and the
   fused norm kernels keep the layout they are given, so no layer converts back.
 - ``trainer.compile``: the training forward (and its backward, through AOTAutograd) goes
-  through ``torch.compile(fullgraph=True)``. The norm ops of ``syncbn_lab._C`` are
-  torch.library ops with fake kernels, so the graph holds them whole. Evaluation runs eagerly
-  on the unwrapped module: it is a small share of a run and would otherwise compile a graph
-  per evaluation batch size.
+  through ``torch.compile(fullgraph=True)``, in one-process runs (single, emulated). The
+  norm ops of ``syncbn_lab._C`` are torch.library ops with fake kernels, so the graph holds
+  them whole. Evaluation runs eagerly on the unwrapped module: it is a small share of a run
+  and would otherwise compile a graph per evaluation batch size.
 
 Neither changes what is computed: channels_last and compilation reorder float32 sums at
 most (``reports/fast_vs_fp32/`` measures it next to the noise floor); bf16 autocast is
@@ -48,13 +48,13 @@ def check(cfg: DictConfig) -> None:
     if cfg.parallel.name == "dp":
         raise ConfigError(
             "trainer.compile=true cannot compile DataParallel (its replicas are made on every "
-            "forward); use parallel=ddp or trainer.compile=false"
+            "forward); use trainer.compile=false, or parallel=emulated for the same numerics"
         )
-    if cfg.parallel.name == "ddp" and cfg.bn.name in ("sync", "torch_sync"):
+    if cfg.parallel.name == "ddp":
         raise ConfigError(
-            f"trainer.compile=true cannot trace bn={cfg.bn.name} under parallel=ddp (its "
-            "all_reduce runs inside the norm layers); use trainer.compile=false, or "
-            "parallel=emulated, whose SyncBN needs no collective"
+            "trainer.compile=true compiles one-process runs (parallel=single or emulated): "
+            "DistributedDataParallel's forward and SyncBN's all_reduce do not trace as one "
+            "graph; use trainer.compile=false, or parallel=emulated for the same numerics"
         )
 
 
