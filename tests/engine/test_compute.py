@@ -191,10 +191,15 @@ def test_combinations_that_cannot_run_fail_before_the_run(overrides, fragment):
     assert "\n" not in str(raised.value)
 
 
-def test_renorm_limits_as_tensors_equal_the_float_schedule():
-    """BatchRenorm's limits from its counter tensor (traceable) are the float schedule."""
+def test_renorm_limits_are_the_schedule_in_float64():
+    """BatchRenorm's limits, computed from its counter tensor (traceable), against the
+    schedule written out in Python floats (also float64)."""
     for warmup, ramp in ((2, 4), (3, 0), (0, 7)):
         for batch in range(12):
-            as_float = renorm_limits(batch, 3.0, 5.0, warmup, ramp)
-            as_tensor = renorm_limits(torch.tensor(batch), 3.0, 5.0, warmup, ramp)
-            assert tuple(float(v) for v in as_tensor) == as_float
+            if ramp:
+                progress = min(max((batch - warmup) / ramp, 0.0), 1.0)
+            else:
+                progress = 1.0 if batch >= warmup else 0.0
+            expected = (1.0 + 2.0 * progress, 5.0 * progress)
+            limits = renorm_limits(torch.tensor(batch), 3.0, 5.0, warmup, ramp)
+            assert tuple(float(v) for v in limits) == expected

@@ -37,23 +37,18 @@ __all__ = ["BatchRenorm", "batch_renorm", "renorm_limits"]
 
 def renorm_limits(
     batch: int | Tensor, rmax: float, dmax: float, warmup_batches: int, ramp_batches: int
-) -> tuple[float, float] | tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:
     """(rmax, dmax) in force at training batch ``batch`` (0-based): 1 and 0 during the
     warm-up, then linear to ``rmax`` and ``dmax`` over ``ramp_batches`` (at once if 0).
 
-    ``batch`` may be a tensor (the module's ``num_batches_tracked``): the limits are then
-    float64 tensors computed with the same float64 operations, so the module never reads the
-    counter back to Python and torch.compile traces it as one graph."""
-    if isinstance(batch, Tensor):
-        batch = batch.double()
-        if ramp_batches > 0:
-            progress = ((batch - warmup_batches) / ramp_batches).clamp(0.0, 1.0)
-        else:
-            progress = (batch >= warmup_batches).double()
-    elif ramp_batches > 0:
-        progress = min(max((batch - warmup_batches) / ramp_batches, 0.0), 1.0)
+    0-dim float64 tensors, from ``batch`` as a tensor (the module's ``num_batches_tracked``):
+    the module never reads its counter back to Python, so torch.compile traces it as one
+    graph."""
+    batch = torch.as_tensor(batch).double()
+    if ramp_batches > 0:
+        progress = ((batch - warmup_batches) / ramp_batches).clamp(0.0, 1.0)
     else:
-        progress = 1.0 if batch >= warmup_batches else 0.0
+        progress = (batch >= warmup_batches).double()
     return 1.0 + (rmax - 1.0) * progress, dmax * progress
 
 
@@ -239,7 +234,8 @@ class BatchRenorm(BatchNorm):
             self.plain = previous
 
     def limits(self) -> tuple[float, float] | tuple[Tensor, Tensor]:
-        """(rmax, dmax) for the next training batch (float64 tensors, see renorm_limits)."""
+        """(rmax, dmax) for the next training batch (float64 tensors, see renorm_limits;
+        1 and 0 as floats within as_batchnorm)."""
         if self.plain:
             return 1.0, 0.0
         return renorm_limits(
