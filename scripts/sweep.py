@@ -36,9 +36,10 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from syncbn_lab.errors import one_line
 from syncbn_lab.logging import log_report
 from syncbn_lab.logging.console import display_path
-from syncbn_lab.multirun import SweepProgress, job_count, multirun_config, one_line
+from syncbn_lab.multirun import SweepProgress, job_count, multirun_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = [

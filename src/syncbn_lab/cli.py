@@ -7,27 +7,18 @@ import sys
 import warnings
 from pathlib import Path
 
-from syncbn_lab.errors import UserError
+from syncbn_lab.errors import UserError, one_line
 
 # Hydra flags after which the remaining arguments are not a plain single run.
 _NOT_A_PLAIN_RUN = {"--multirun", "-m", "--cfg", "-c", "--help", "-h", "--hydra-help", "--info"}
-
-
-def user_error_types() -> tuple[type[BaseException], ...]:
-    types: list[type[BaseException]] = [UserError]
-    with contextlib.suppress(ImportError):
-        from syncbn_lab.data import DataError
-
-        types.append(DataError)
-    return tuple(types)
 
 
 @contextlib.contextmanager
 def exit_on_user_error():
     try:
         yield
-    except user_error_types() as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    except UserError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

@@ -3,12 +3,25 @@
 import warnings
 
 
-class UserError(Exception):
+class OneLineError(Exception):
+    """An error whose message is already its whole report: shown without type or traceback."""
+
+
+class UserError(OneLineError):
     """Bad config, data or combination: printed as one line, exit status 2, no traceback."""
 
 
 class ConfigError(UserError):
     """The composed config is invalid or asks for an impossible combination."""
+
+
+def one_line(e: BaseException) -> str:
+    """How every entry point shows ``e``: a :class:`OneLineError`'s message on one line, any
+    other error as its type and the first line of its message (the rest is in the traceback)."""
+    if isinstance(e, OneLineError):
+        return " ".join(str(e).split())
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 def warn_one_line(message: str, category: type[Warning] = UserWarning) -> None:

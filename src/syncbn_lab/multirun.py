@@ -36,7 +36,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from syncbn_lab.errors import UserError
+from syncbn_lab.errors import OneLineError, UserError, one_line
 from syncbn_lab.logging.console import duration
 
 ERROR_FILE = "error.json"
@@ -93,28 +93,16 @@ def run_job(
             clear_unfinished(run_dir)
         return run(cfg, run_dir)
     except Exception as e:
-        from syncbn_lab.cli import user_error_types
         from syncbn_lab.parallel.ddp import RankFailed
 
         if isinstance(e, RankFailed) and e.remote_traceback:
             print(e.remote_traceback.rstrip(), file=sys.stderr)
-        elif not isinstance(e, user_error_types() + (RankFailed,)):
+        elif not isinstance(e, OneLineError):
             traceback.print_exc()  # not a user error: the traceback helps, then one line
         line = one_line(e)
         record_failure(cfg, run_dir, line, time.perf_counter() - started)
         print(f"error: {line}", file=sys.stderr, flush=True)
         return None
-
-
-def one_line(e: BaseException) -> str:
-    """The error's message as one line; the type is named unless it is a user error."""
-    from syncbn_lab.cli import user_error_types
-    from syncbn_lab.parallel.ddp import RankFailed
-
-    text = " ".join(str(e).split())
-    if isinstance(e, user_error_types() + (RankFailed,)):
-        return text
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def record_failure(

@@ -10,8 +10,10 @@ from typing import Any
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
+from syncbn_lab.errors import UserError
 
-class DataError(RuntimeError):
+
+class DataError(UserError):
     """A problem with data the user can fix; the message is one line saying what and how."""
 
 

@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
 from syncbn_lab.config import available_cores, torchrun_env
+from syncbn_lab.errors import OneLineError, UserError, one_line
 from syncbn_lab.parallel.context import Runtime
 
 GRACE_S = 3.0  # after a first failure: time to collect the other ranks' reports
@@ -55,7 +56,7 @@ _PEER_FAILURE_MARKERS = (
 )
 
 
-class RankFailed(RuntimeError):
+class RankFailed(OneLineError):
     """A rank of a DDP run failed; ``str()`` is one line, ``remote_traceback`` the rank's own.
 
     Attributes: ``rank`` (None when no rank reported), ``remote_traceback`` (text or ""),
@@ -119,7 +120,7 @@ def _run_torchrun_rank(cfg, worker, run_dir: Path, env: dict[str, int]) -> dict[
             if _is_peer_failure(e):
                 raise PeerFailed(
                     f"rank {env['rank']} stopped: a collective failed because another rank "
-                    f"failed or hung ({_one_line(e)}); see that rank's error"
+                    f"failed or hung ({one_line(e)}); see that rank's error"
                 ) from e
             raise
     finally:
@@ -324,16 +325,14 @@ def _rank_main(
 
 
 def _send_error(report: Connection, rank: int, e: Exception) -> None:
-    from syncbn_lab.cli import user_error_types
-
     message = _Report(
         rank,
         time.time(),
         "error",
-        line=_one_line(e),
+        line=one_line(e),
         traceback=traceback.format_exc(),
         peer_failure=_is_peer_failure(e),
-        exception=e if isinstance(e, user_error_types()) else None,
+        exception=e if isinstance(e, UserError) else None,
     )
     try:
         report.send(message)
@@ -397,8 +396,3 @@ def _is_peer_failure(e: BaseException) -> bool:
         return True
     text = str(e).lower()
     return isinstance(e, RuntimeError) and any(m in text for m in _PEER_FAILURE_MARKERS)
-
-
-def _one_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
