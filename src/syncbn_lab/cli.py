@@ -7,7 +7,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from syncbn_lab.errors import UserError, one_line
+from syncbn_lab.errors import OneLineError, one_line
 
 # Hydra flags after which the remaining arguments are not a plain single run.
 _NOT_A_PLAIN_RUN = {"--multirun", "-m", "--cfg", "-c", "--help", "-h", "--hydra-help", "--info"}
@@ -17,9 +17,9 @@ _NOT_A_PLAIN_RUN = {"--multirun", "-m", "--cfg", "-c", "--help", "-h", "--hydra-
 def exit_on_user_error():
     try:
         yield
-    except UserError as e:
+    except OneLineError as e:
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(e.exit_status)
 
 
 def precheck(config_dir: str, args: list[str]) -> None:
@@ -43,9 +43,11 @@ def precheck(config_dir: str, args: list[str]) -> None:
     finally:
         GlobalHydra.instance().clear()
     from syncbn_lab.config import validate
+    from syncbn_lab.engine.checkpoint import check_resume
     from syncbn_lab.train import check_run_dir
 
     with exit_on_user_error(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # run() validates again and warns then, once
         validate(cfg)
+        check_resume(cfg)  # a bad checkpoint is one line before Hydra makes the run dir
         check_run_dir(run_dir)

@@ -38,6 +38,9 @@ def validate(cfg: DictConfig) -> DictConfig:
         _positive(t.eval_images, "trainer.eval_images")
     if t.get("overfit_batches") is not None:
         _positive(t.overfit_batches, "trainer.overfit_batches")
+    from syncbn_lab.engine.checkpoint import parse_every
+
+    parse_every(t.get("checkpoint_every"))
     if p.name == "single" and p.devices != 1:
         raise ConfigError(
             f"parallel=single runs on one device but parallel.devices={p.devices}; "

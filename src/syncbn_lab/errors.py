@@ -1,14 +1,52 @@
 """Errors a user can cause. Each carries one line that names the problem and the fix."""
 
 import warnings
+from pathlib import Path
 
 
 class OneLineError(Exception):
-    """An error whose message is already its whole report: shown without type or traceback."""
+    """An error whose message is already its whole report: shown without type or traceback.
+
+    ``exit_status`` is the process's exit status; ``reason`` goes into a multirun job's
+    error.json, where the report and the sweep's progress lines read it."""
+
+    exit_status = 1
+    reason = "failed"
 
 
 class UserError(OneLineError):
     """Bad config, data or combination: printed as one line, exit status 2, no traceback."""
+
+    exit_status = 2
+
+
+class Diverged(OneLineError):
+    """The training loss stopped being finite; every rank stops at the same step."""
+
+    reason = "diverged"
+
+    def __init__(self, step: int, loss: float, lr: float):
+        super().__init__(
+            f"diverged at step {step}: the training loss is {loss} (learning rate {lr:g}); "
+            "lower optim.lr, set trainer.grad_clip, or check the data"
+        )
+        self.step = step
+
+
+class Preempted(OneLineError):
+    """A stop signal (SIGTERM, SLURM's warning signal) reached the run: it saved a checkpoint
+    at a step boundary and stopped. Exit status 128 + the signal, as if the signal had
+    ended the process."""
+
+    reason = "preempted"
+
+    def __init__(self, signal_name: str, signal_number: int, step: int, checkpoint: str):
+        super().__init__(
+            f"stopped by {signal_name} at step {step}; checkpoint {checkpoint}; continue with "
+            f"trainer.resume={Path(checkpoint).parent.parent}"
+        )
+        self.exit_status = 128 + signal_number
+        self.step = step
 
 
 class ConfigError(UserError):

@@ -34,12 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from syncbn_lab.errors import OneLineError, UserError, one_line
+from syncbn_lab.engine import preemption
+from syncbn_lab.errors import OneLineError, Preempted, UserError, one_line
 from syncbn_lab.logging.console import duration
 
 ERROR_FILE = "error.json"
+CHECKPOINT = Path("checkpoints") / "last.pt"
 SUMMARY_KEYS = ("test_acc", "steps")  # a summary.json without them was cut short
 # What a failed job leaves besides Hydra's own .hydra/ and log file; cleared before a rerun.
 RUN_OUTPUTS = (
@@ -90,6 +92,14 @@ def run_job(
                 _check_same_config(cfg, run_dir)
                 print(f"skipped: {run_dir} holds a finished run", file=sys.stderr, flush=True)
                 return summary
+        if resumable(run_dir) and not cfg.trainer.get("resume"):
+            # a requeued job or a resumed sweep: continue from the run dir's newest checkpoint
+            _check_same_config(cfg, run_dir)
+            (run_dir / ERROR_FILE).unlink(missing_ok=True)
+            with open_dict(cfg):
+                cfg.trainer.resume = str(run_dir)
+            print(f"resuming: {run_dir} from its last checkpoint", file=sys.stderr, flush=True)
+        elif cfg.get("skip_finished"):
             clear_unfinished(run_dir)
         return run(cfg, run_dir)
     except Exception as e:
@@ -100,17 +110,30 @@ def run_job(
         elif not isinstance(e, OneLineError):
             traceback.print_exc()  # not a user error: the traceback helps, then one line
         line = one_line(e)
-        record_failure(cfg, run_dir, line, time.perf_counter() - started)
+        reason = e.reason if isinstance(e, OneLineError) else "failed"
+        record_failure(cfg, run_dir, line, time.perf_counter() - started, reason)
         print(f"error: {line}", file=sys.stderr, flush=True)
+        if isinstance(e, Preempted):
+            preemption.chain()  # in a SLURM job: submitit's handler requeues the job
         return None
 
 
+def resumable(run_dir: Path) -> bool:
+    """The run dir holds a run that stopped before the end and left a checkpoint."""
+    return finished_summary(run_dir) is None and (run_dir / CHECKPOINT).is_file()
+
+
 def record_failure(
-    cfg: DictConfig, run_dir: Path, line: str, wall_time_s: float | None = None
+    cfg: DictConfig,
+    run_dir: Path,
+    line: str,
+    wall_time_s: float | None = None,
+    reason: str = "failed",
 ) -> None:
-    """Write ``<run dir>/error.json``: the one-line reason, the job's cell of the sweep and,
-    when known, how long the job ran."""
-    record: dict[str, Any] = {"error": line}
+    """Write ``<run dir>/error.json``: the one-line error, why the run has no result
+    (``failed``, ``diverged``, ``preempted``), the job's cell of the sweep and, when known,
+    how long the job ran."""
+    record: dict[str, Any] = {"error": line, "reason": reason}
     if wall_time_s is not None:
         record["wall_time_s"] = wall_time_s
     for key, path in CELL_KEYS.items():
@@ -149,11 +172,12 @@ def _check_same_config(cfg: DictConfig, run_dir: Path) -> None:
         key
         for key in set(saved) | set(current)
         if key.split(".")[0] not in ("skip_finished", "derived")
+        and key != "trainer.resume"
         and saved.get(key) != current.get(key)
     )
     if differing:
         raise UserError(
-            f"{run_dir} holds a finished run of another config (differs in "
+            f"{run_dir} holds a run of another config (differs in "
             f"{', '.join(differing)}); resume a sweep with the overrides it was started "
             "with, or start a new one in another hydra.sweep.dir"
         )
@@ -259,6 +283,7 @@ class SweepProgress:
         }
         self.before = len(self.reported)
         self.errors_before = _error_files(sweep_dir)
+        self.stopped: dict[Path, Any] = {}  # preempted runs announced, by their error line
 
     @property
     def done(self) -> int:
@@ -270,6 +295,11 @@ class SweepProgress:
         for run_dir, outcome in self._new_outcomes():
             if run_dir in self.reported:
                 continue  # both files new: the first one counts
+            if outcome.get("reason") == "preempted":  # not an outcome: the run continues
+                if self.stopped.get(run_dir) != outcome.get("error"):
+                    self.stopped[run_dir] = outcome.get("error")
+                    lines.append(self._line(outcome))
+                continue
             self.reported.add(run_dir)
             lines.append(self._line(outcome))
         return lines
@@ -293,7 +323,11 @@ class SweepProgress:
 
     def _line(self, outcome: dict[str, Any]) -> str:
         k = len(self.reported)
-        if "error" in outcome:
+        if outcome.get("reason") == "preempted":
+            result = f"stopped: {outcome['error']} (it continues when requeued or resumed)"
+        elif outcome.get("reason") == "diverged":
+            result = f"diverged: {outcome['error']}"
+        elif "error" in outcome:
             result = f"failed: {outcome['error']}"
         elif not _finite(outcome.get("train_loss")):
             result = "diverged (the training loss is not finite)"

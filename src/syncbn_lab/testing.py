@@ -40,12 +40,13 @@ class DistributedJobError(RuntimeError):
     """A spawned rank failed, died or timed out."""
 
 
-FAULT_ACTIONS = ("raise", "kill", "hang")
+FAULT_ACTIONS = ("raise", "kill", "hang", "term")
 
 
 class Fault:
     """A training callback (``trainer.callbacks``) that makes one rank fail after one step:
-    ``raise`` a RuntimeError, ``kill`` itself with SIGKILL, or ``hang`` forever.
+    ``raise`` a RuntimeError, ``kill`` itself with SIGKILL, ``hang`` forever, or ``term``:
+    send itself SIGTERM (as a cluster stopping the job does) and train on.
 
     The config carries it to every rank however the run starts (spawned DDP, torchrun,
     SLURM), so tests of failure handling go through the real CLI; :func:`fault_override`
@@ -62,6 +63,9 @@ class Fault:
             return
         if self.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.action == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         while self.action == "hang":
             time.sleep(1)
         raise RuntimeError(f"injected fault on rank {self.rank} at step {self.step}")

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -15,13 +16,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from syncbn_lab import models
 from syncbn_lab.config import torchrun_env, validate
-from syncbn_lab.engine import checkpoint
+from syncbn_lab.engine import checkpoint, preemption
 from syncbn_lab.engine.compute import memory_format
 from syncbn_lab.engine.loop import Loaders, Trainer, step_counts
 from syncbn_lab.engine.optim import build_optimizer
 from syncbn_lab.engine.precise_bn import bn_layers
 from syncbn_lab.engine.precision import model_dtype
-from syncbn_lab.errors import ConfigError
+from syncbn_lab.errors import ConfigError, one_line
 from syncbn_lab.logging import NullLogger, RunLogger
 from syncbn_lab.logging.console import LOG_FILE, log_terminal, result_block
 from syncbn_lab.nn.registry import norm_layer, normalization_batch_size
@@ -37,13 +38,15 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Train as ``cfg`` says, writing outputs into ``run_dir``; return the summary."""
     run_dir = Path(run_dir)
     validate(cfg)
-    if cfg.trainer.resume:
-        checkpoint.resolve(cfg.trainer.resume)  # fail now, not after the processes start
+    resumed = checkpoint.check_resume(cfg)  # fail now, not after the processes start
     from syncbn_lab.data import prepare_data
 
     launched = torchrun_env()
     if launched is None or launched["rank"] == 0:  # torchrun: rank 0 owns the one run dir
-        check_run_dir(run_dir)
+        if resumed is not None and resumes_in_place(cfg, run_dir):
+            keep_metrics_until(run_dir / "metrics.jsonl", resumed["step"])
+        else:
+            check_run_dir(run_dir)
         prepare_data(cfg.data)  # fetched and checked before anything is written
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -53,7 +56,25 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
                 f"cannot write the run dir {run_dir} ({e.strerror}); point hydra.run.dir at a "
                 "writable folder"
             ) from e
-    return launch(cfg, worker, run_dir)
+    with preemption.stop_signals():
+        return launch(cfg, worker, run_dir)
+
+
+def resumes_in_place(cfg: DictConfig, run_dir: Path) -> bool:
+    """``trainer.resume`` names a checkpoint of this run dir: the run continues there (a
+    requeued job, a resumed sweep) instead of starting a new run dir."""
+    path = checkpoint.resolve(cfg.trainer.resume).resolve()
+    return path.is_relative_to(run_dir.resolve())
+
+
+def keep_metrics_until(metrics: Path, step: int) -> None:
+    """Drop the records that a stopped run logged after its checkpoint at ``step``: the
+    resumed run logs them again."""
+    if not metrics.exists():
+        return
+    kept = [line for line in metrics.read_text().splitlines(keepends=True) if line.strip()]
+    kept = [line for line in kept if json.loads(line).get("step", 0) <= step]
+    metrics.write_text("".join(kept))
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -131,7 +152,14 @@ def _work(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             cfg, rt, parallel.model, model, optimizer, loaders, logger, run_dir, parallel.bn_buffers
         )
         if t.resume:
-            trainer.load_state_dict(checkpoint.load(checkpoint.resolve(t.resume), rt.device))
+            path = checkpoint.resolve(t.resume)
+            try:
+                trainer.load_state_dict(checkpoint.load(path, rt.device))
+            except (RuntimeError, KeyError, IndexError, ValueError) as e:
+                raise ConfigError(
+                    f"trainer.resume: {path} does not fit this run's model or devices "
+                    f"({one_line(e)[:200]}); resume with the settings it was written with"
+                ) from None
         result = trainer.fit()
         summary = {
             **result,

@@ -50,7 +50,7 @@ def test_skip_finished_keeps_a_finished_run_and_reruns_an_unfinished_one(tmp_pat
         (tmp_path / "summary.json").read_text()
     )
 
-    # an interrupted run: metrics and a checkpoint, no summary; run again from scratch
+    # an interrupted run: metrics and a checkpoint, no summary; it continues from there
     (tmp_path / "summary.json").unlink()
     (tmp_path / ERROR_FILE).write_text('{"error": "an earlier attempt"}')
     again = run_job(resumable(), tmp_path, run)
@@ -63,7 +63,7 @@ def test_skip_finished_refuses_a_finished_run_of_another_config(tmp_path):
     run_job(resumable(), tmp_path, run)
     assert run_job(resumable("trainer.max_steps=3"), tmp_path, never_run) is None
     error = json.loads((tmp_path / ERROR_FILE).read_text())["error"]
-    assert error.startswith(f"{tmp_path} holds a finished run of another config (differs in ")
+    assert error.startswith(f"{tmp_path} holds a run of another config (differs in ")
     assert "trainer.max_steps)" in error
 
 

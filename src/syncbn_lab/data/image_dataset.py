@@ -6,15 +6,14 @@ uint8 ``N x C x H x W``, and turns a list of indices into normalised float32 ima
 exists) gathers the batch, applies random crop + horizontal flip with batched indexing, and
 normalises with one multiply-add. A batch of 64 CIFAR images costs a fraction of a millisecond.
 
-Augmentation randomness comes from ``torch.Generator`` streams owned by the dataset, one per
-device. A stream is a pure function of ``(seed, epoch, device, DataLoader worker id)`` and of
-how many batches were drawn since, so a run is reproducible for a fixed seed, sampler order
-and worker count; ``set_epoch(epoch)`` (call it next to ``DistributedSampler.set_epoch``)
-restarts the streams for that epoch, and different epochs, devices and workers see different
-augmentations. The device is the distributed rank, unless ``set_devices`` says that each batch
-is the per-device batches of several devices (the emulation of N devices, DataParallel): then
-slice d of a batch is augmented from device d's stream, exactly as that device's own rank
-would augment it.
+Augmentation randomness: each device's slice of a batch is augmented from its own
+``torch.Generator``, seeded from ``(seed, epoch, device, the slice's first sample index)``. The
+draws of a batch therefore depend on nothing that came before it: not on the DataLoader's
+workers, and not on where a run resumed within an epoch (a mid-epoch checkpoint needs no
+augmentation state). ``set_epoch(epoch)`` (call it next to ``DistributedSampler.set_epoch``)
+selects the epoch's draws. The device is the distributed rank, unless ``set_devices`` says
+that each batch is the per-device batches of several devices (the emulation of N devices,
+DataParallel): then slice d of a batch is augmented as device d's own rank would augment it.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset
 
 from .base import require
 
@@ -48,13 +47,8 @@ def _distributed_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _worker_id() -> int:
-    info = get_worker_info()
-    return -1 if info is None else info.id
-
-
 def mix_seed(key: tuple[int, ...]) -> int:
-    """A well-mixed 63-bit seed derived from a tuple of ints, e.g. (seed, epoch, rank, worker)."""
+    """A well-mixed 63-bit seed derived from a tuple of ints, e.g. (seed, epoch, device, index)."""
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
@@ -102,7 +96,6 @@ class ImageDataset(Dataset):
         self.seed = int(seed)
         self.epoch = 0
         self.devices: tuple[int, ...] | None = None
-        self._streams: dict[int, tuple[tuple[int, ...], torch.Generator]] = {}
 
     # -- what subclasses provide -------------------------------------------------------------
     def _load(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,43 +118,38 @@ class ImageDataset(Dataset):
         return self.train and self.augmentation.enabled
 
     def set_epoch(self, epoch: int) -> None:
-        """Restart the augmentation stream at the start of ``epoch`` (same epoch, same draws)."""
+        """Augment as in ``epoch`` (same epoch, same draws)."""
         self.epoch = int(epoch)
-        self._streams = {}
 
     def set_seed(self, seed: int) -> None:
-        """Choose the augmentation seed and restart the stream."""
+        """Choose the augmentation seed."""
         self.seed = int(seed)
-        self._streams = {}
 
     def set_devices(self, devices: Sequence[int] | None) -> None:
         """Each batch is the equal per-device batches of these global devices, in order
         (``Runtime.local_device_ranks``); None = one device, the distributed rank."""
         self.devices = None if devices is None else tuple(int(d) for d in devices)
-        self._streams = {}
 
-    def _generator(self, device: int) -> torch.Generator:
-        key = (self.seed, self.epoch, device, _worker_id())
-        stream = self._streams.get(device)
-        if stream is None or stream[0] != key:
-            stream = (key, torch.Generator().manual_seed(mix_seed(key)))
-            self._streams[device] = stream
-        return stream[1]
-
-    def __getstate__(self) -> dict[str, Any]:
-        # DataLoader workers get a copy; each one reseeds on first use with its own worker id.
-        return {**self.__dict__, "_streams": {}}
+    def _generator(self, device: int, first_index: int) -> torch.Generator:
+        """The draws of ``device``'s slice that starts with sample ``first_index``."""
+        return torch.Generator().manual_seed(mix_seed((self.seed, self.epoch, device, first_index)))
 
     # -- batch construction --------------------------------------------------------------------
-    def _augment_devices(self, images: torch.Tensor) -> torch.Tensor:
-        """Each device's slice of the batch augmented from that device's stream (a batch that
-        does not split evenly, e.g. a single item, is the first device's)."""
+    def _augment_devices(self, images: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Each device's slice of the batch augmented from that device's generator for the
+        slice (a batch that does not split evenly, e.g. a single item, is the first
+        device's)."""
         devices = self.devices if self.devices is not None else (_distributed_rank(),)
         if len(devices) == 1 or images.shape[0] % len(devices):
-            return self._augment(images, self._generator(devices[0]))
+            return self._augment(images, self._generator(devices[0], int(index[0])))
+        size = images.shape[0] // len(devices)
+        firsts = index[::size].tolist()
         slices = images.chunk(len(devices))
         return torch.cat(
-            [self._augment(x, self._generator(d)) for x, d in zip(slices, devices, strict=True)]
+            [
+                self._augment(x, self._generator(d, first))
+                for x, d, first in zip(slices, devices, firsts, strict=True)
+            ]
         )
 
     def _augment(self, images: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -192,7 +180,7 @@ class ImageDataset(Dataset):
             index = torch.where(index < 0, index + len(self), index)
         images, labels = self._load(index)
         if self.augments:
-            images = self._augment_devices(images)
+            images = self._augment_devices(images, index)
         out = images.to(self.dtype).mul_(self._scale).add_(self._shift)
         return out, labels
 

@@ -7,6 +7,8 @@ the wrapped model, so the same loop runs single-device, DDP and emulated N-devic
 from __future__ import annotations
 
 import contextlib
+import math
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,11 +22,12 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
-from syncbn_lab.engine import checkpoint, compute
+from syncbn_lab.engine import checkpoint, compute, preemption
 from syncbn_lab.engine.evaluate import evaluate
 from syncbn_lab.engine.optim import lr_factor
 from syncbn_lab.engine.precise_bn import update_bn_stats
 from syncbn_lab.engine.precision import autocast
+from syncbn_lab.errors import Diverged, Preempted
 from syncbn_lab.parallel.bn_buffers import BNBuffers
 from syncbn_lab.parallel.context import Runtime
 from syncbn_lab.parallel.dp import at_least_fp32, loss_and_counts
@@ -42,8 +45,20 @@ class Loaders:
 class TrainState:
     epoch: int = 0  # epochs completed
     step: int = 0  # optimizer steps taken
+    step_in_epoch: int = 0  # optimizer steps taken in epoch ``epoch`` (0 at an epoch's start)
     best_val_acc: float = float("-inf")
     history: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EpochProgress:
+    """What this process has summed since the epoch (``totals``) and the log window
+    (``window``) began: [loss sum, correct, count] of its samples, not yet reduced."""
+
+    totals: torch.Tensor
+    window: torch.Tensor
+    window_images: int = 0
+    window_time: float = 0.0
 
 
 class Trainer:
@@ -74,6 +89,7 @@ class Trainer:
         self.bn_buffers = bn_buffers if bn_buffers is not None else BNBuffers()
         self.loss_in_model = bool(getattr(model, "computes_loss", False))
         self.no_sync = _no_sync(model)  # the wrapped model's, compiled or not
+        self.device_stats = getattr(model, "device_stats", [])  # emulated devices 1..N-1
         self.callbacks = _instantiate_callbacks(cfg.trainer.get("callbacks"))
         self.trainer_cfg = cfg.trainer
         self.accumulate = cfg.trainer.accumulate
@@ -83,17 +99,46 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=cfg.trainer.precision == "fp16")
         self.train_time = 0.0
         self.images_seen = 0
+        self.progress = self.new_progress()
+        # [loss sum, correct, count] of the last finished epoch over all devices (the summary)
+        self.last_epoch_totals = torch.zeros(3, dtype=torch.float64, device=rt.device)
+        self.every_steps, self.every_s = checkpoint.parse_every(cfg.trainer.get("checkpoint_every"))
+        self.last_checkpoint = time.monotonic()
+
+    def new_progress(self) -> EpochProgress:
+        zeros = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
+        return EpochProgress(totals=zeros, window=zeros.clone())
 
     # -- checkpoints ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Everything a bitwise resume needs, at an epoch boundary or within an epoch. Call
+        on every rank: each rank's own state (RNG streams, running statistics, partial
+        sums) is gathered to rank 0 (``ranks``); the rest is the same on every rank."""
         return {
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "epoch": self.state.epoch,
             "step": self.state.step,
+            "step_in_epoch": self.state.step_in_epoch,
             "best_val_acc": self.state.best_val_acc,
-            "torch_rng": torch.get_rng_state(),
+            "last_epoch_totals": self.last_epoch_totals.cpu(),
+            "train_time_s": self.train_time,
+            "images_seen": self.images_seen,
+            "ranks": _gather(self.rt, self.rank_state()),
+            "resume_key": checkpoint.resume_key(self.cfg),
+        }
+
+    def rank_state(self) -> dict[str, Any]:
+        """This process's part of a checkpoint."""
+        p = self.progress
+        return {
+            "rng": _rng_state(),
+            "buffers": [b.detach().cpu().clone() for b in self.module.buffers()],
+            "device_stats": [(d.mean.cpu(), d.var.cpu()) for d in self.device_stats],
+            "totals": p.totals.cpu(),
+            "window": p.window.cpu(),
+            "window_images": p.window_images,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -103,12 +148,65 @@ class Trainer:
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.state.epoch, self.state.step = state["epoch"], state["step"]
+        self.state.step_in_epoch = state.get("step_in_epoch", 0)
         self.state.best_val_acc = state["best_val_acc"]
-        torch.set_rng_state(state["torch_rng"])
+        self.train_time = state.get("train_time_s", 0.0)
+        self.images_seen = state.get("images_seen", 0)
+        if "last_epoch_totals" in state:
+            self.last_epoch_totals = state["last_epoch_totals"].to(self.rt.device)
+        ranks = state.get("ranks")
+        if ranks is None:  # a checkpoint from before per-rank state: the epoch's start
+            torch.set_rng_state(state["torch_rng"])
+            return
+        own = ranks[self.rt.rank]
+        _set_rng_state(own["rng"])
+        with torch.no_grad():
+            for buffer, saved in zip(self.module.buffers(), own["buffers"], strict=True):
+                buffer.copy_(saved)
+            for stats, (mean, var) in zip(self.device_stats, own["device_stats"], strict=True):
+                stats.mean.copy_(mean)
+                stats.var.copy_(var)
+        device = self.rt.device
+        self.progress = EpochProgress(
+            totals=own["totals"].to(device),
+            window=own["window"].to(device),
+            window_images=own["window_images"],
+        )
 
-    def save(self, name: str) -> None:
+    def save(self, name: str) -> Path:
+        """Write checkpoints/<name> (rank 0); every rank must call it (it gathers)."""
+        state = self.state_dict()
+        path = self.run_dir / "checkpoints" / name
         if self.rt.is_main:
-            checkpoint.save_atomic(self.state_dict(), self.run_dir / "checkpoints" / name)
+            checkpoint.save_atomic(state, path)
+        if self.rt.distributed:  # no rank goes on (or exits) before the file is there
+            import torch.distributed as dist
+
+            dist.barrier()
+        self.last_checkpoint = time.monotonic()
+        return path
+
+    def agree(self, totals: torch.Tensor) -> tuple[float, bool, bool]:
+        """After a step, one small collective so that every rank decides alike: (the step's
+        mean training loss over all devices, stop now, checkpoint now). Stop: a rank received
+        a stop signal. Checkpoint: ``trainer.checkpoint_every`` steps or seconds passed on
+        rank 0."""
+        due = False
+        if self.rt.is_main:
+            if self.every_steps:
+                due = self.state.step % self.every_steps == 0
+            elif self.every_s:
+                due = time.monotonic() - self.last_checkpoint >= self.every_s
+        flags = torch.stack(
+            [
+                totals[0],
+                totals[2],
+                totals.new_tensor(float(preemption.requested() is not None)),
+                totals.new_tensor(float(due)),
+            ]
+        )
+        loss_sum, count, stop, checkpoint_due = self.rt.all_reduce_sum(flags).tolist()
+        return loss_sum / max(count, 1.0), stop > 0, checkpoint_due > 0
 
     # -- one optimizer step ---------------------------------------------------
     def set_lr(self) -> float:
@@ -165,21 +263,20 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         cfg, rt, state = self.trainer_cfg, self.rt, self.state
         epochs = cfg.epochs
-        last_epoch_totals = torch.zeros(3, dtype=torch.float64, device=rt.device)
         val = {}
+        steps_here = 0  # optimizer steps this process ran (a resumed run counts from there)
         TRAFFIC.reset()  # count only this fit's training steps
         self.model.train()
         while state.epoch < epochs and state.step < self.total_steps:
             epoch = state.epoch
-            self.loaders.train.batch_sampler.set_epoch(epoch)
+            start = state.step_in_epoch  # > 0 when resumed from a checkpoint within the epoch
+            self.loaders.train.batch_sampler.set_epoch(epoch, start=start * self.accumulate)
             if hasattr(self.loaders.train.dataset, "set_epoch"):
                 self.loaders.train.dataset.set_epoch(epoch)
-            epoch_totals = torch.zeros(3, dtype=torch.float64, device=rt.device)
-            window = torch.zeros(3, dtype=torch.float64, device=rt.device)
-            window_images, window_time = 0, 0.0
-            progress = _progress(self.steps_per_epoch, epoch, enabled=rt.is_main)
+            p = self.progress
+            progress = _progress(self.steps_per_epoch, epoch, start, enabled=rt.is_main)
             batches = iter(self.loaders.train)
-            for step_in_epoch in range(self.steps_per_epoch):
+            for step_in_epoch in range(start, self.steps_per_epoch):
                 if state.step >= self.total_steps:
                     break
                 t0 = time.perf_counter()  # data loading counts towards images/s
@@ -189,24 +286,30 @@ class Trainer:
                 totals = self.train_step(micro)
                 elapsed = time.perf_counter() - t0
                 state.step += 1
+                state.step_in_epoch = step_in_epoch + 1
+                steps_here += 1
                 for callback in self.callbacks:
                     callback(self)
                 images = self.cfg.trainer.global_batch_size
                 self.train_time += elapsed
                 self.images_seen += images
-                window += totals
-                epoch_totals += totals
-                window_images += images
-                window_time += elapsed
+                p.window += totals
+                p.totals += totals
+                p.window_images += images
+                p.window_time += elapsed
+                loss, stop, checkpoint_due = self.agree(totals)
+                if not math.isfinite(loss):
+                    self.logger.log({"step": state.step, "lr": lr, "train/loss": loss})
+                    raise Diverged(state.step, loss, lr)
                 if state.step % cfg.log_every == 0:
-                    reduced = rt.all_reduce_sum(window.clone())
+                    reduced = rt.all_reduce_sum(p.window.clone())
                     record = {
                         "step": state.step,
                         "epoch": epoch + (step_in_epoch + 1) / self.steps_per_epoch,
                         "lr": lr,
                         "train/loss": (reduced[0] / reduced[2]).item(),
                         "train/acc": (100 * reduced[1] / reduced[2]).item(),
-                        "images_per_s": window_images / max(window_time, 1e-9),
+                        "images_per_s": p.window_images / max(p.window_time, 1e-9),
                     }
                     self.logger.log(record)
                     if progress is not None:
@@ -215,14 +318,22 @@ class Trainer:
                             acc=f"{record['train/acc']:.2f}",
                             img_s=f"{record['images_per_s']:.0f}",
                         )
-                    window.zero_()
-                    window_images, window_time = 0, 0.0
+                    p.window.zero_()
+                    p.window_images, p.window_time = 0, 0.0
                 if progress is not None:
                     progress.update(1)
+                if stop:
+                    path = self.save("last.pt")
+                    signum = preemption.requested() or preemption.STOP_SIGNALS[0]
+                    raise Preempted(preemption.signal_name(signum), signum, state.step, str(path))
+                if checkpoint_due:
+                    self.save("last.pt")
             if progress is not None:
                 progress.close()
             state.epoch += 1
-            last_epoch_totals = rt.all_reduce_sum(epoch_totals)
+            state.step_in_epoch = 0
+            self.last_epoch_totals = last_epoch_totals = rt.all_reduce_sum(p.totals.clone())
+            self.progress = self.new_progress()
             finished = state.epoch >= epochs or state.step >= self.total_steps
             record = {
                 "step": state.step,
@@ -246,20 +357,21 @@ class Trainer:
                 print(_epoch_line(record), flush=True)
             if finished:
                 break
-        steps_run = self.images_seen // cfg.global_batch_size
-        traffic = TRAFFIC.per_step(steps_run) if rt.distributed else {}
+        traffic = TRAFFIC.per_step(steps_here) if rt.distributed else {}
         test = self.evaluate(self.loaders.test)
         result = {
             "test_acc": test["acc"],
             "test_loss": test["loss"],
             "val_acc": val.get("acc", float("nan")),
             "best_val_acc": state.best_val_acc,
-            "train_loss": (last_epoch_totals[0] / last_epoch_totals[2].clamp(min=1)).item(),
+            "train_loss": (
+                self.last_epoch_totals[0] / self.last_epoch_totals[2].clamp(min=1)
+            ).item(),
             "epochs": state.epoch,
             "steps": state.step,
             "train_time_s": self.train_time,
             "images_per_s": self.images_seen / max(self.train_time, 1e-9),
-            "step_time_s": self.train_time / max(steps_run, 1),
+            "step_time_s": self.train_time / max(state.step, 1),
             **traffic,  # DDP: bytes this rank handed to collectives per training step
         }
         if cfg.precise_bn_batches:
@@ -319,12 +431,50 @@ def _instantiate_callbacks(nodes) -> list:
     return [instantiate(node) for node in nodes]
 
 
-def _progress(total: int, epoch: int, enabled: bool):
+def _progress(total: int, epoch: int, done: int, enabled: bool):
     if not (enabled and sys.stderr.isatty()):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=f"epoch {epoch + 1}", leave=False, dynamic_ncols=True)
+    desc = f"epoch {epoch + 1}"
+    return tqdm(total=total, initial=done, desc=desc, leave=False, dynamic_ncols=True)
+
+
+def _gather(rt: Runtime, obj: Any) -> list[Any]:
+    """``obj`` of every process, in rank order (a collective under DDP)."""
+    if not rt.distributed:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _rng_state() -> dict[str, Any]:
+    """Every random stream of this process, in types ``torch.load(weights_only=True)`` reads.
+    (Augmentation draws need none: they are a function of the batch, see data.image_dataset.)"""
+    import numpy as np
+
+    _, keys, position, has_gauss, gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+        "python": [list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [torch.from_numpy(keys.astype("int64")), position, has_gauss, gauss],
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    words, gauss_next = state["python"]
+    random.setstate((3, tuple(words), gauss_next))
+    keys, position, has_gauss, gauss = state["numpy"]
+    np.random.set_state(("MT19937", keys.numpy().astype("uint32"), position, has_gauss, gauss))
 
 
 def _epoch_line(record: dict[str, Any]) -> str:

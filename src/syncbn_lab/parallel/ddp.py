@@ -7,7 +7,7 @@ Spawned ranks are supervised here, so that a failure ends the whole run cleanly:
   *peer* went away, which is a consequence and never the cause);
 - when any rank fails (raises, dies by a signal, or its collectives time out after
   ``parallel.timeout_s``), the parent waits a moment for the other reports, stops the
-  processes still running (SIGTERM, then SIGKILL), and raises :class:`RankFailed` with the
+  processes still running (SIGKILL), and raises :class:`RankFailed` with the
   root cause: the first error that is not a collective failure, else the rank that died
   without a word, else the rank whose collective gave up first;
 - a rank that loses its parent (the parent was killed) exits by itself (a lifeline pipe).
@@ -37,11 +37,11 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
 from syncbn_lab.config import available_cores, torchrun_env
-from syncbn_lab.errors import OneLineError, UserError, one_line
+from syncbn_lab.engine import preemption
+from syncbn_lab.errors import OneLineError, one_line
 from syncbn_lab.parallel.context import Runtime
 
 GRACE_S = 3.0  # after a first failure: time to collect the other ranks' reports
-STOP_S = 5.0  # after SIGTERM: time before SIGKILL
 
 # Messages of collectives that fail because another rank went away or hung.
 _PEER_FAILURE_MARKERS = (
@@ -167,7 +167,8 @@ def _spawn_and_supervise(cfg: DictConfig, worker, run_dir: Path) -> dict[str, An
             procs.append(proc)
             conns[report_r] = rank
         lifeline_r.close()
-        return _supervise(procs, conns)
+        with preemption.forward_to([proc.pid for proc in procs]):  # SIGTERM reaches every rank
+            return _supervise(procs, conns)
     finally:
         _stop(procs)
         lifeline_w.close()
@@ -264,17 +265,13 @@ def _describe_exit(code: int | None) -> str:
 
 
 def _stop(procs: list) -> None:
-    """SIGTERM every rank still running, then SIGKILL what is left after STOP_S."""
-    alive = [proc for proc in procs if proc.is_alive()]
-    for proc in alive:
-        proc.terminate()
-    deadline = time.monotonic() + STOP_S
-    for proc in alive:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in alive:
+    """SIGKILL every rank still running. (Ranks take SIGTERM as a request to checkpoint at
+    the next step, which a rank blocked in a collective never reaches.)"""
+    for proc in procs:
         if proc.is_alive():
             proc.kill()
-            proc.join()
+    for proc in procs:
+        proc.join()
 
 
 # -- one spawned rank ------------------------------------------------------------------------
@@ -311,7 +308,8 @@ def _rank_main(
             device_id=device if device.type == "cuda" else None,
         )
         rt = Runtime(device=device, rank=rank, world_size=world_size, local_rank=rank)
-        summary = worker(rt, cfg, Path(run_dir))
+        with preemption.stop_signals():
+            summary = worker(rt, cfg, Path(run_dir))
         report.send(_Report(rank, time.time(), "ok", summary=summary if rank == 0 else None))
     except KeyboardInterrupt:
         code = 130  # the terminal's Ctrl-C reached every rank; the parent reports it once
@@ -332,7 +330,7 @@ def _send_error(report: Connection, rank: int, e: Exception) -> None:
         line=one_line(e),
         traceback=traceback.format_exc(),
         peer_failure=_is_peer_failure(e),
-        exception=e if isinstance(e, UserError) else None,
+        exception=e if isinstance(e, OneLineError) else None,
     )
     try:
         report.send(message)

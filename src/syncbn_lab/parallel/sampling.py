@@ -34,6 +34,7 @@ class DeviceBatchSampler(Sampler[list[int]]):
         shuffle: bool = True,
     ):
         self.per_device_batch_size = per_device_batch_size
+        self.start = 0
         self.samplers = [
             DistributedSampler(
                 dataset, num_replicas=total_devices, rank=r, shuffle=shuffle, seed=seed
@@ -41,7 +42,10 @@ class DeviceBatchSampler(Sampler[list[int]]):
             for r in device_ranks
         ]
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """The batches of ``epoch``, from batch ``start`` on (a run resumed within an epoch);
+        ``len`` stays the epoch's number of batches."""
+        self.start = start
         for sampler in self.samplers:
             sampler.set_epoch(epoch)
 
@@ -51,7 +55,7 @@ class DeviceBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         shards = [list(sampler) for sampler in self.samplers]
         b = self.per_device_batch_size
-        for i in range(len(self)):
+        for i in range(self.start, len(self)):
             yield [index for shard in shards for index in shard[i * b : (i + 1) * b]]
 
 
@@ -76,15 +80,16 @@ class RepeatedBatches(Sampler[list[int]]):
     def __init__(self, sampler: DeviceBatchSampler, batches: int):
         sampler.set_epoch(0)
         self.batches = list(itertools.islice(sampler, batches))
+        self.start = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        pass  # the same batches every epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.start = start  # the same batches every epoch
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self.batches)
+        return iter(self.batches[self.start :])
 
 
 def train_loader(
