@@ -13,6 +13,10 @@ class OneLineError(Exception):
     exit_status = 1
     reason = "failed"
 
+    def __reduce__(self):
+        args = getattr(self, "init_args", self.args)
+        return type(self), args, {k: v for k, v in self.__dict__.items() if k != "init_args"}
+
 
 class UserError(OneLineError):
     """Bad config, data or combination: printed as one line, exit status 2, no traceback."""
@@ -26,6 +30,7 @@ class Diverged(OneLineError):
     reason = "diverged"
 
     def __init__(self, step: int, loss: float, lr: float):
+        self.init_args = (step, loss, lr)  # pickled as these (a rank sends it to its parent)
         super().__init__(
             f"diverged at step {step}: the training loss is {loss} (learning rate {lr:g}); "
             "lower optim.lr, set trainer.grad_clip, or check the data"
@@ -41,12 +46,13 @@ class Preempted(OneLineError):
     reason = "preempted"
 
     def __init__(self, signal_name: str, signal_number: int, step: int, checkpoint: str):
+        self.init_args = (signal_name, signal_number, step, checkpoint)
         super().__init__(
             f"stopped by {signal_name} at step {step}; checkpoint {checkpoint}; continue with "
             f"trainer.resume={Path(checkpoint).parent.parent}"
         )
         self.exit_status = 128 + signal_number
-        self.step = step
+        self.signal_number, self.step = signal_number, step
 
 
 class ConfigError(UserError):

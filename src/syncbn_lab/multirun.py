@@ -114,7 +114,7 @@ def run_job(
         record_failure(cfg, run_dir, line, time.perf_counter() - started, reason)
         print(f"error: {line}", file=sys.stderr, flush=True)
         if isinstance(e, Preempted):
-            preemption.chain()  # in a SLURM job: submitit's handler requeues the job
+            preemption.chain(e.signal_number)  # a SLURM job: submitit's handler requeues it
         return None
 
 

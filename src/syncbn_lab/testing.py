@@ -22,6 +22,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
+
 __all__ = [
     "DistributedJobError",
     "Fault",
@@ -40,13 +42,14 @@ class DistributedJobError(RuntimeError):
     """A spawned rank failed, died or timed out."""
 
 
-FAULT_ACTIONS = ("raise", "kill", "hang", "term")
+FAULT_ACTIONS = ("raise", "kill", "hang", "term", "diverge")
 
 
 class Fault:
     """A training callback (``trainer.callbacks``) that makes one rank fail after one step:
-    ``raise`` a RuntimeError, ``kill`` itself with SIGKILL, ``hang`` forever, or ``term``:
-    send itself SIGTERM (as a cluster stopping the job does) and train on.
+    ``raise`` a RuntimeError, ``kill`` itself with SIGKILL, ``hang`` forever, ``term``: send
+    itself SIGTERM (as a cluster stopping the job does) and train on, or ``diverge``: set its
+    replica's parameters to NaN (a divergence that starts on one rank).
 
     The config carries it to every rank however the run starts (spawned DDP, torchrun,
     SLURM), so tests of failure handling go through the real CLI; :func:`fault_override`
@@ -65,6 +68,11 @@ class Fault:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.action == "term":
             os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if self.action == "diverge":
+            with torch.no_grad():
+                for parameter in trainer.module.parameters():
+                    parameter.fill_(float("nan"))
             return
         while self.action == "hang":
             time.sleep(1)

@@ -239,13 +239,13 @@ def test_runs_without_the_normalisation_batch_are_refused_before_anything_is_wri
     assert not (sweep / "out").exists()
 
 
-def fake_failure(root, bn, devices, seed, reason, finished_later=False):
+def fake_failure(root, bn, devices, seed, reason, finished_later=False, kind="failed"):
     """A run dir as syncbn_lab.multirun leaves a failed job (error.json with its cell)."""
     run_dir = root / f"{bn}_emulated{devices}_s{seed}_failed"
     run_dir.mkdir(parents=True)
     cell = dict(bn=bn, parallel="emulated", devices=devices, seed=seed)
     cell["per_device_batch_size"] = 64 // devices if 64 % devices == 0 else 64 / devices
-    (run_dir / "error.json").write_text(json.dumps({"error": reason, **cell}))
+    (run_dir / "error.json").write_text(json.dumps({"error": reason, "reason": kind, **cell}))
     if finished_later:  # a resumed sweep finished it: not a failure any more
         done = {**cell, "test_acc": 99.0, "steps": 9, "normalization_batch_size": 64 // devices}
         (run_dir / "summary.json").write_text(json.dumps(done))
@@ -279,3 +279,19 @@ def test_failed_runs_are_listed_and_their_cells_marked_missing(sweep):
     table = {row[0]: row for row in table_rows(section(text, "Test error"))}
     assert table["2"][1:3] == ["– missing", "– missing"]  # bn (EMA, PreciseBN)
     assert table["1"][5].endswith("(1 missing)")  # sync (EMA): 4 of 5 seeds finished
+
+
+def test_diverged_runs_are_marked_diverged_and_not_averaged(sweep):
+    root = sweep / "sweep"
+    for seed in SEEDS:
+        (root / f"bn_emulated32_s{seed}" / "summary.json").unlink()
+        fake_failure(root, "bn", 32, seed, "diverged at step 9: ...", kind="diverged")
+    (root / "sync_emulated64_s3" / "summary.json").unlink()
+    fake_failure(root, "sync", 64, 3, "diverged at step 3: ...", kind="diverged")
+    write_report(collect_runs(root), sweep / "report", "Test", failures=collect_failures(root))
+    table = {
+        row[0]: row
+        for row in table_rows(section((sweep / "report" / "README.md").read_text(), "Test error"))
+    }
+    assert table["2"][1:3] == ["– diverged", "– diverged"]
+    assert table["1"][5].endswith("(1 diverged)") and not table["1"][5].startswith("–")

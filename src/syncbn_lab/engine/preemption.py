@@ -9,8 +9,9 @@ checkpoint and raises :class:`syncbn_lab.errors.Preempted`.
 
 The handler that was installed before (submitit's in a SLURM job: it checkpoints the job's
 callable and requeues the job on SIGUSR2) runs afterwards, through :func:`chain`, once the
-checkpoint is on disk. A process that supervises others (the spawned DDP ranks) forwards
-the signal to them with :func:`forward_to`. Ctrl-C (SIGINT) stays an immediate stop.
+checkpoint is on disk and the job's error.json says why it stopped. A process that
+supervises others (the spawned DDP ranks) forwards the signal to them with
+:func:`forward_to`. Ctrl-C (SIGINT) stays an immediate stop.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def stop_signals() -> Iterator[None]:
     try:
         yield
     finally:
+        _received = None
         for s, handler in before.items():
             signal.signal(s, handler)  # type: ignore[arg-type]
 
@@ -73,14 +75,13 @@ def forward_to(pids: list[int]) -> Iterator[None]:
         _forward_pids.clear()
 
 
-def chain() -> None:
-    """Run the handler that was installed before :func:`stop_signals` for the signal that
-    stopped the run, if it was a Python function (submitit's: requeue the SLURM job)."""
-    if _received is None:
-        return
-    handler = _previous.get(_received)
+def chain(signum: int) -> None:
+    """Run the handler that was installed before :func:`stop_signals` for ``signum``, the
+    signal that stopped the run, if it was a Python function (submitit's: requeue the SLURM
+    job)."""
+    handler = _previous.get(signum)
     if callable(handler):
-        handler(_received, None)
+        handler(signum, None)
 
 
 def signal_name(signum: int) -> str:

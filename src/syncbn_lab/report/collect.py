@@ -77,6 +77,11 @@ class Failure:
     def __getitem__(self, key: str) -> Any:
         return self.cell.get(key)
 
+    @property
+    def diverged(self) -> bool:
+        """The run stopped because its training loss was no longer finite."""
+        return self.cell.get("reason") == "diverged"
+
 
 def collect_failures(*sweep_dirs: Path) -> list[Failure]:
     """Every run dir under ``sweep_dirs`` with an error.json and no finished run."""

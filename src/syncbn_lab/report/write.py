@@ -190,7 +190,7 @@ class Report:
             row = [str(b)]
             for v in shown:
                 members = self.cells.get((v, b), [])
-                note = _missing_note(len(self.failed_cells.get((v, b), [])), bool(members))
+                note = _missing_note(self.failed_cells.get((v, b), []), bool(members))
                 row.append(fmt(*mean_std([r.test_error for r in members])) + note)
                 row.append(fmt(*mean_std([r.test_error_precise_bn for r in members])) + note)
             lines.append("| " + " | ".join(row) + " |")
@@ -586,10 +586,20 @@ class Report:
         return lines
 
 
-def _missing_note(failed: int, some_finished: bool) -> str:
-    if not failed:
+def _missing_note(failed: list[Failure], some_finished: bool) -> str:
+    """How a cell marks its runs without a result: diverged runs are named as such (they
+    are a result about the setting, not a gap), the others as missing."""
+    diverged = sum(f.diverged for f in failed)
+    parts = [
+        f"{n} {what}"
+        for n, what in ((diverged, "diverged"), (len(failed) - diverged, "missing"))
+        if n
+    ]
+    if not parts:
         return ""
-    return f" ({failed} missing)" if some_finished else " missing"
+    if some_finished or len(parts) > 1:
+        return f" ({', '.join(parts)})"
+    return " " + parts[0].split(" ", 1)[1]
 
 
 def _missing_section(failures: list[Failure]) -> list[str]:
