@@ -114,7 +114,11 @@ def run_job(
         record_failure(cfg, run_dir, line, time.perf_counter() - started, reason)
         print(f"error: {line}", file=sys.stderr, flush=True)
         if isinstance(e, Preempted):
-            preemption.chain(e.signal_number)  # a SLURM job: submitit's handler requeues it
+            # The job stops here and leaves no result: submitit's handler (SIGUSR2) requeues
+            # a SLURM job, SLURM requeues one it stopped itself (scontrol requeue,
+            # preemption), and the job resumes from its checkpoint; a local sweep stops.
+            preemption.chain(e.signal_number)
+            raise SystemExit(e.exit_status) from None
         return None
 
 

@@ -14,6 +14,7 @@ import os
 import queue
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -42,14 +43,15 @@ class DistributedJobError(RuntimeError):
     """A spawned rank failed, died or timed out."""
 
 
-FAULT_ACTIONS = ("raise", "kill", "hang", "term", "diverge")
+FAULT_ACTIONS = ("raise", "kill", "hang", "term", "requeue", "diverge")
 
 
 class Fault:
     """A training callback (``trainer.callbacks``) that makes one rank fail after one step:
     ``raise`` a RuntimeError, ``kill`` itself with SIGKILL, ``hang`` forever, ``term``: send
-    itself SIGTERM (as a cluster stopping the job does) and train on, or ``diverge``: set its
-    replica's parameters to NaN (a divergence that starts on one rank).
+    itself SIGTERM (as a cluster stopping the job does) and train on, ``requeue``: in a SLURM
+    job, ``scontrol requeue`` it and wait for the signal that stops it, or ``diverge``: set
+    its replica's parameters to NaN (a divergence that starts on one rank).
 
     The config carries it to every rank however the run starts (spawned DDP, torchrun,
     SLURM), so tests of failure handling go through the real CLI; :func:`fault_override`
@@ -68,6 +70,14 @@ class Fault:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.action == "term":
             os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if self.action == "requeue":
+            from syncbn_lab.engine import preemption
+
+            subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True)
+            deadline = time.monotonic() + 60
+            while preemption.requested() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
             return
         if self.action == "diverge":
             with torch.no_grad():

@@ -303,3 +303,38 @@ def test_a_job_cancelled_on_the_cluster_is_a_failed_job_of_the_multirun(slurm_en
     assert (sweep_dir / "0_bn_single1_s0" / "summary.json").exists()
     assert json.loads((sweep_dir / "1_bn_single1_s0" / "error.json").read_text())["seed"] == 0
     assert processes_with_env(marker) == []
+
+
+def test_a_requeued_job_resumes_from_its_checkpoint_and_ends_bitwise_equal(slurm_env, tmp_path):
+    """`scontrol requeue` at step 31 of 80: SLURM stops the job with SIGTERM, the run saves a
+    checkpoint at the next step and exits without a result, SLURM runs the job again, and the
+    job continues from the checkpoint in its own run dir. Its final parameters equal those of
+    the same run uninterrupted (fp32, one thread), bitwise."""
+    import torch
+
+    from syncbn_lab.engine import checkpoint
+    from syncbn_lab.testing import fault_override
+
+    long = [*TINY, "trainer.epochs=10", "trainer.threads=1", "trainer.precision=fp32"]
+    sweep_dir = tmp_path / "sweep"
+    result = subprocess.run(
+        [sys.executable, TRAIN, "-m", *LAUNCHER, *long, fault_override("requeue", 0, 31),
+         f"hydra.sweep.dir={sweep_dir}"],
+        env=slurm_env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = next(p for p in sweep_dir.iterdir() if (p / "summary.json").exists())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 80 and summary["resumed_from"] == str(run_dir)
+    log = (run_dir / "train.log").read_text()
+    assert "stopped by SIGTERM at step 3" in log and "resuming: " in log, log[-3000:]
+
+    local = tmp_path / "local"
+    done = subprocess.run(
+        [sys.executable, TRAIN, *long, f"hydra.run.dir={local}"],
+        env=slurm_env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    a = checkpoint.load(local / "checkpoints" / "last.pt")["model"]
+    b = checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -73,7 +73,9 @@ def test_a_preempted_multirun_job_continues_in_its_own_run_dir(tmp_path, tiny_cf
     run(tiny_cfg(*settings), tmp_path / "whole")
     job = tmp_path / "job"
     stopped_at_6 = (*settings, fault_override("term", 0, 6))  # the job's config, both times
-    assert run_job(tiny_cfg(*stopped_at_6), job, run) is None
+    with pytest.raises(SystemExit) as stopped:  # the job stops, and leaves no result
+        run_job(tiny_cfg(*stopped_at_6), job, run)
+    assert stopped.value.code == 128 + signal.SIGTERM
     record = json.loads((job / ERROR_FILE).read_text())
     assert record["reason"] == "preempted" and "step 6" in record["error"]
     assert checkpoint.load(job / "checkpoints" / "last.pt")["step"] == 6
