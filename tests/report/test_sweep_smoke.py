@@ -2,6 +2,7 @@
 fails does not stop the others, and a sweep killed midway and resumed ends with the report
 of an uninterrupted one."""
 
+import contextlib
 import csv
 import json
 import os
@@ -123,7 +124,7 @@ def test_sweep_smoke_writes_report_and_marks_the_failed_cells(uninterrupted):
 
 
 @pytest.mark.slow
-def test_a_sweep_killed_midway_resumes_to_the_same_report(uninterrupted, tmp_path):
+def test_a_sweep_stopped_by_ctrl_c_leaves_no_process_and_resumes_to_the_same_report(uninterrupted, tmp_path):
     sweep_dir, report_dir = tmp_path / "sweep", tmp_path / "report"
     proc = subprocess.Popen(
         [*sweep_command(report_dir, "--smoke", "--sweep-dir", str(sweep_dir))] + WITH_FAILING_CELL,
@@ -136,9 +137,16 @@ def test_a_sweep_killed_midway_resumes_to_the_same_report(uninterrupted, tmp_pat
         deadline = time.monotonic() + 240
         while not finished(sweep_dir) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole group
+        proc.wait(timeout=60)
+        time.sleep(2)
+        group = ["ps", "-o", "stat=,args=", "-g", str(proc.pid)]
+        listed = subprocess.run(group, capture_output=True, text=True).stdout.splitlines()
+        alive = [line for line in listed if not line.startswith("Z")]  # zombies are dead
+        assert alive == [], f"Ctrl-C left processes of the sweep behind: {alive}"
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     before = finished(sweep_dir)
     assert 1 <= len(before) < len(FINISHED), before  # killed midway
     kept = {p: p.stat().st_mtime_ns for p in sweep_dir.rglob("summary.json")}
