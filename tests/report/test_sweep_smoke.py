@@ -124,7 +124,9 @@ def test_sweep_smoke_writes_report_and_marks_the_failed_cells(uninterrupted):
 
 
 @pytest.mark.slow
-def test_a_sweep_stopped_by_ctrl_c_leaves_no_process_and_resumes_to_the_same_report(uninterrupted, tmp_path):
+def test_a_sweep_stopped_by_ctrl_c_leaves_no_process_and_resumes_to_the_same_report(
+    uninterrupted, tmp_path
+):
     sweep_dir, report_dir = tmp_path / "sweep", tmp_path / "report"
     proc = subprocess.Popen(
         [*sweep_command(report_dir, "--smoke", "--sweep-dir", str(sweep_dir))] + WITH_FAILING_CELL,

@@ -170,3 +170,21 @@ def test_a_bad_checkpoint_is_one_line_and_no_run_dir(tmp_path, tiny_cfg, case):
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith(f"error: trainer.resume: {last}") and "weights_only" not in lines[0]
     assert not target.exists()
+
+
+def test_the_survival_table_in_docs_names_tests_that_exist():
+    import re
+
+    table = (ROOT / "docs" / "parallel.md").read_text().split("### What survives what")[1]
+    table = table.split("\n### ")[0]
+    cited = 0
+    for row in (line for line in table.splitlines() if line.startswith("| ")):
+        current = None
+        for path, name in re.findall(r"`(tests/[\w/]+\.py)?(?:::(\w+))?`", row):
+            current = path or current
+            if not current:
+                continue
+            source = (ROOT / current).read_text()
+            assert name == "" or f"def {name}(" in source, (current, name)
+            cited += 1
+    assert cited >= 10
