@@ -328,9 +328,9 @@ class SweepProgress:
     def _line(self, outcome: dict[str, Any]) -> str:
         k = len(self.reported)
         if outcome.get("reason") == "preempted":
-            result = f"stopped: {outcome['error']} (it continues when requeued or resumed)"
+            result = f"{outcome['error']} (it continues when requeued or resumed)"
         elif outcome.get("reason") == "diverged":
-            result = f"diverged: {outcome['error']}"
+            result = outcome["error"]  # "diverged at step ...: the training loss is nan ..."
         elif "error" in outcome:
             result = f"failed: {outcome['error']}"
         elif not _finite(outcome.get("train_loss")):

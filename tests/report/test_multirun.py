@@ -107,3 +107,23 @@ def test_sweep_progress_says_each_run_once_with_its_result_and_the_time_left(tmp
         "is not finite) | 1 min 10 s | all runs done",
     ]
     assert progress.poll() == []
+
+
+def test_sweep_progress_says_a_stopped_run_without_counting_it(tmp_path):
+    cell = {"bn": "bn", "parallel": "emulated", "devices": 2, "per_device_batch_size": 32}
+    progress = SweepProgress(tmp_path, total=2, clock=lambda: 0.0)
+    run_dir = tmp_path / "0_bn_emulated2_s0"
+    run_dir.mkdir()
+    stopped = "stopped by SIGTERM at step 3; checkpoint x; continue with trainer.resume=y"
+    (run_dir / ERROR_FILE).write_text(json.dumps({**cell, "error": stopped, "reason": "preempted"}))
+    assert progress.poll() == [
+        f"[0/2] bn, emulated x2 (32 images per device), seed ? | {stopped} (it continues when "
+        "requeued or resumed) | ?"
+    ]
+    assert progress.poll() == [] and progress.done == 0  # said once; not an outcome
+    (run_dir / ERROR_FILE).unlink()  # the requeued job resumes, then diverges
+    diverged = "diverged at step 9: the training loss is nan (learning rate 0.1); lower optim.lr"
+    (run_dir / ERROR_FILE).write_text(json.dumps({**cell, "error": diverged, "reason": "diverged"}))
+    assert progress.poll() == [
+        f"[1/2] bn, emulated x2 (32 images per device), seed ? | {diverged} | ? | about 0.0 s left"
+    ]

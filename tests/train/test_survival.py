@@ -2,6 +2,7 @@
 checkpoint from which the run continues bitwise (fp32, one thread), and a bad checkpoint is
 one line before anything is written. The reference is always the same run uninterrupted."""
 
+import contextlib
 import json
 import os
 import signal
@@ -152,6 +153,47 @@ def test_a_stop_signal_is_forwarded_to_the_supervised_ranks():
         child.kill()
     assert signal.getsignal(signal.SIGTERM) is before  # handlers restored
     assert preemption.requested() is None
+
+
+def test_slurms_warning_signal_is_handed_to_the_handler_before_after_the_checkpoint():
+    """SIGUSR2 (submitit's time-limit warning) only sets the request while the run trains;
+    ``chain`` then runs the handler that was there before (submitit's: requeue the job)."""
+    calls = []
+    before = signal.signal(signal.SIGUSR2, lambda signum, frame: calls.append(signum))
+    try:
+        with preemption.stop_signals():
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert preemption.requested() == signal.SIGUSR2 and calls == []
+        preemption.chain(signal.SIGUSR2)
+        assert calls == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_a_ddp_run_stops_every_rank(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*TINY, "parallel=ddp", "parallel.devices=2", "trainer.epochs=1000"]
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, *args, f"hydra.run.dir={run_dir}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1)  # training, past the first records
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        assert proc.wait(timeout=60) != 0
+        time.sleep(1)
+        group = ["ps", "-o", "stat=,args=", "-g", str(proc.pid)]
+        listed = subprocess.run(group, capture_output=True, text=True).stdout.splitlines()
+        assert [line for line in listed if not line.startswith("Z")] == []  # zombies are dead
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("case", ["truncated", "another model"])  # the rest: test_checkpoint
