@@ -53,17 +53,21 @@ def find_nvcc() -> str | None:
 @pytest.mark.nvcc
 @pytest.mark.slow
 def test_cuda_sources_compile(tmp_path):
-    """nvcc -c on every .cu with torch's headers and flags, for one architecture (sm_90)."""
+    """nvcc on every .cu with torch's headers and flags, down to PTX for one architecture
+    (sm_90): nvcc's C++ front end reads the whole file, host and device code, and the device
+    code is compiled. It skips the host compiler and ptxas, three quarters of a full ``-c``
+    (17 s against 60 s here); the host side is compiled by g++ in test_cuda_emulated.py, and
+    the full build is `make build-ext` on a machine with CUDA (scripts/gpu_check.sh)."""
     nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found")
     assert CUDA_SOURCES, "no CUDA sources under csrc/cuda"
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
     for source in CUDA_SOURCES:
-        obj = tmp_path / (source.stem + ".o")
+        obj = tmp_path / (source.stem + ".ptx")
         cmd = [
             nvcc,
-            "-c",
+            "--ptx",
             str(source),
             "-o",
             str(obj),
