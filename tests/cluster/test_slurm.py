@@ -317,12 +317,26 @@ def test_a_requeued_job_resumes_from_its_checkpoint_and_ends_bitwise_equal(slurm
 
     long = [*TINY, "trainer.epochs=10", "trainer.threads=1", "trainer.precision=fp32"]
     sweep_dir = tmp_path / "sweep"
-    result = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, TRAIN, "-m", *LAUNCHER, *long, fault_override("requeue", 0, 31),
          f"hydra.sweep.dir={sweep_dir}"],
-        env=slurm_env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env=slurm_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    # SLURM holds a requeued job for about two minutes; once the first attempt has left its
+    # error.json (stopped at a step), let it start at once.
+    deadline = time.monotonic() + 300
+    while not list(sweep_dir.glob("*/error.json")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    (job_id,) = {p.name for p in sweep_dir.glob(".submitit/*") if p.name.isdigit()}
+    while time.monotonic() < deadline:
+        state = ["squeue", "-h", "-j", job_id, "-o", "%T"]
+        if "PENDING" in subprocess.run(state, env=slurm_env, capture_output=True, text=True).stdout:
+            update = ["scontrol", "update", f"JobId={job_id}", "StartTime=now"]
+            subprocess.run(update, env=slurm_env, capture_output=True)
+            break
+        time.sleep(0.5)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
     run_dir = next(p for p in sweep_dir.iterdir() if (p / "summary.json").exists())
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 80 and summary["resumed_from"] == str(run_dir)
