@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, open_dict
 
 from syncbn_lab import models
-from syncbn_lab.config import available_cores, compose, validate
+from syncbn_lab.config import RunShape, available_cores, compose, derive, validate
 from syncbn_lab.nn.registry import norm_layer
 from syncbn_lab.parallel import Runtime, parallelize
 from syncbn_lab.provenance import write_json
@@ -41,13 +41,8 @@ CLASSES = 10
 def build(cfg: DictConfig, rt: Runtime, our_bn: bool = False):
     """The model for ``cfg``; ``our_bn``: syncbn_lab's BatchNorm even for one device (where
     bn=bn would take torch.nn.BatchNorm2d), to separate emulation from layer cost."""
-    emulated = cfg.parallel.devices if cfg.parallel.name == "emulated" else 1
     torch.manual_seed(0)
-    norm = norm_layer(cfg.bn, emulated)
-    if our_bn and cfg.bn.name == "bn" and emulated == 1:
-        from syncbn_lab.nn import BatchNorm
-
-        norm = lambda c: BatchNorm(c)  # noqa: E731
+    norm = norm_layer(cfg.bn, derive(cfg).device_slices, ours=our_bn)
     model = models.build(cfg.model, norm, CLASSES, IMAGE[0])
     wrapped = parallelize(model, cfg, rt).model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -86,7 +81,9 @@ def config(*overrides: str) -> DictConfig:
         "logger=none",
         f"trainer.global_batch_size={GLOBAL_BATCH}",
     ]
-    return validate(compose([*base, *overrides]))
+    cfg = compose([*base, *overrides])
+    validate(cfg)
+    return cfg
 
 
 # -- 1. emulation overhead ---------------------------------------------------------------------
@@ -102,7 +99,7 @@ def emulation_overhead(devices: list[int], steps: int, rounds: int) -> list[tupl
         }
         for n in devices:
             cfg = config("parallel=emulated", f"parallel.devices={n}", f"bn={bn}")
-            steps_of[n] = make_step(cfg, Runtime(devices_per_process=n), GLOBAL_BATCH)
+            steps_of[n] = make_step(cfg, Runtime(slices_per_process=n), GLOBAL_BATCH)
         for step in steps_of.values():
             timed(step, 3)  # warm-up
         times = {key: [] for key in steps_of}
@@ -135,11 +132,11 @@ def ratio_of_rounds(reference: list[float], other: list[float]) -> float:
 
 
 # -- 2 and 3. real DDP -----------------------------------------------------------------------
-def ddp_worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict:
+def ddp_worker(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict:
     """Runs in each rank: median step time of this rank's per-device batch."""
     import torch.distributed as dist
 
-    step = make_step(cfg, rt, cfg.derived.per_device_batch_size)
+    step = make_step(cfg, rt, shape.per_device_batch_size)
     timed(step, 2)
     dist.barrier()
     return {"step_s": timed(step, cfg.bench.steps)}
@@ -152,7 +149,7 @@ def ddp_step_time(bn: str, steps: int) -> float:
     with open_dict(cfg):
         cfg.bench = {"steps": steps}
     with tempfile.TemporaryDirectory() as run_dir:
-        return launch_ddp(cfg, ddp_worker, Path(run_dir))["step_s"]
+        return launch_ddp(cfg, derive(cfg), ddp_worker, Path(run_dir))["step_s"]
 
 
 def ddp_against_one_process(steps: int, rounds: int) -> dict[str, float]:

@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from syncbn_lab.engine import preemption
 from syncbn_lab.errors import OneLineError, Preempted, UserError, one_line
 from syncbn_lab.logging.console import duration
+from syncbn_lab.variants import GROUP as VARIANT_GROUP
 
 ERROR_FILE = "error.json"
 CHECKPOINT = Path("checkpoints") / "last.pt"
@@ -56,7 +57,7 @@ RUN_OUTPUTS = (
 )
 # Keys of a run that say which cell of the sweep it is (what error.json records).
 CELL_KEYS = {
-    "bn": "bn.name",
+    VARIANT_GROUP: f"{VARIANT_GROUP}.name",
     "parallel": "parallel.name",
     "devices": "parallel.devices",
     "seed": "trainer.seed",
@@ -358,8 +359,9 @@ def cell(record: dict[str, Any]) -> str:
     if isinstance(per_device, float):
         per_device = f"{per_device:.3g}"
     return (
-        f"{record.get('bn', '?')}, {record.get('parallel', '?')} x{record.get('devices', '?')} "
-        f"({per_device} images per device), seed {record.get('seed', '?')}"
+        f"{record.get(VARIANT_GROUP, '?')}, {record.get('parallel', '?')} "
+        f"x{record.get('devices', '?')} ({per_device} images per device), "
+        f"seed {record.get('seed', '?')}"
     )
 
 

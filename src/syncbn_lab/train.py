@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from syncbn_lab import models
-from syncbn_lab.config import torchrun_env, validate
+from syncbn_lab.config import RunShape, validate
 from syncbn_lab.engine import checkpoint, preemption
 from syncbn_lab.engine.compute import memory_format
 from syncbn_lab.engine.loop import Loaders, Trainer, step_counts
@@ -25,11 +25,13 @@ from syncbn_lab.engine.precision import model_dtype
 from syncbn_lab.errors import ConfigError, one_line
 from syncbn_lab.logging import NullLogger, RunLogger
 from syncbn_lab.logging.console import LOG_FILE, log_terminal, result_block
-from syncbn_lab.nn.registry import norm_layer, normalization_batch_size
+from syncbn_lab.machine import available_cores, torchrun_env
+from syncbn_lab.nn.registry import norm_layer
 from syncbn_lab.parallel import launch, parallelize
 from syncbn_lab.parallel.context import Runtime
 from syncbn_lab.parallel.sampling import eval_loader, seed_everything, train_loader
-from syncbn_lab.provenance import git_commit
+from syncbn_lab.provenance import cpu_model, git_commit
+from syncbn_lab.variants import GROUP as VARIANT_GROUP
 
 RUN_FILES = ("metrics.jsonl", "summary.json")
 
@@ -37,7 +39,7 @@ RUN_FILES = ("metrics.jsonl", "summary.json")
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Train as ``cfg`` says, writing outputs into ``run_dir``; return the summary."""
     run_dir = Path(run_dir)
-    validate(cfg)
+    shape = validate(cfg)
     resumed = checkpoint.check_resume(cfg)  # fail now, not after the processes start
     from syncbn_lab.data import prepare_data
 
@@ -57,7 +59,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
                 "writable folder"
             ) from e
     with preemption.stop_signals():
-        return launch(cfg, worker, run_dir)
+        return launch(cfg, shape, worker, run_dir)
 
 
 def resumes_in_place(cfg: DictConfig, run_dir: Path) -> bool:
@@ -95,16 +97,16 @@ def check_run_dir(run_dir: Path) -> None:
         )
 
 
-def worker(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+def worker(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[str, Any]:
     """Everything one process does: data, model, optimizer, fit, summary (rank 0). Rank 0
     copies what it prints into the run's train.log, spawned DDP rank 0 included."""
     if not rt.is_main:
-        return _work(rt, cfg, run_dir)
+        return _work(rt, cfg, shape, run_dir)
     with log_terminal(run_dir / LOG_FILE):
-        return _work(rt, cfg, run_dir)
+        return _work(rt, cfg, shape, run_dir)
 
 
-def _work(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+def _work(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[str, Any]:
     from syncbn_lab.data import build_datasets
 
     started = time.perf_counter()
@@ -121,15 +123,12 @@ def _work(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     for split in (splits.train, splits.val, splits.test):
         split.set_dtype(dtype)
     splits.train.set_devices(rt.local_device_ranks)  # augmentation: one stream per device
-    # Only the emulation puts several devices' slices through one norm layer; DataParallel's
-    # replicas each get their own slice, DDP ranks their own batch.
-    emulated = cfg.parallel.devices if cfg.parallel.name == "emulated" else 1
-    per_device = cfg.derived.per_device_batch_size
+    per_device = shape.per_device_batch_size
     train_batches = train_loader(
         splits.train, rt, per_device, t.seed, t.num_workers, t.get("overfit_batches")
     )
     _, steps = step_counts(t, len(train_batches))  # the Trainer's total_steps
-    norm = norm_layer(cfg.bn, emulated_devices=emulated, training_batches=steps * t.accumulate)
+    norm = norm_layer(cfg.bn, shape.device_slices, training_batches=steps * t.accumulate)
     model = models.build(cfg.model, norm, splits.num_classes, splits.in_channels)
     model = model.to(rt.device, dtype, memory_format=memory_format(t.channels_last))
     parallel = parallelize(model, cfg, rt)
@@ -145,7 +144,7 @@ def _work(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             f"trainer.global_batch_size={t.global_batch_size}; use a smaller global batch"
         )
 
-    logger = RunLogger(run_dir, cfg) if rt.is_main else NullLogger()
+    logger = RunLogger(run_dir, cfg, shape) if rt.is_main else NullLogger()
     exit_code = 1
     try:
         trainer = Trainer(
@@ -166,18 +165,23 @@ def _work(rt: Runtime, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "wall_time_s": time.perf_counter() - started,
             "global_batch_size": t.global_batch_size,
             "per_device_batch_size": per_device,
-            "normalization_batch_size": normalization_batch_size(cfg.bn, per_device, cfg.parallel),
+            "normalization_batch_size": shape.normalization_batch_size,
             "accumulate": t.accumulate,
             "devices": cfg.parallel.devices,
             "parallel": cfg.parallel.name,
             "dist_bn": cfg.parallel.get("dist_bn", "none"),
-            "bn": cfg.bn.name,
+            VARIANT_GROUP: cfg.bn.name,
             "dataset": cfg.data.name,
             "model": cfg.model.name,
             "seed": t.seed,
             "resumed_from": str(t.resume) if t.resume else None,
             "git_commit": git_commit(),
             "torch_version": torch.__version__,
+            # where it ran, for the report's cost table
+            "device": shape.device,
+            "backend": shape.backend,
+            "cpu_model": cpu_model(),
+            "cores": available_cores(),
         }
         logger.summary(summary)
         exit_code = 0

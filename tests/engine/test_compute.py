@@ -32,7 +32,7 @@ VARIANTS = {  # bn config overrides; brn with its limits in force from the first
 
 def norm(variant: str, devices: int) -> nn.Module:
     cfg = compose(VARIANTS[variant])
-    layer = norm_layer(cfg.bn, emulated_devices=devices, training_batches=100)(8)
+    layer = norm_layer(cfg.bn, device_slices=devices, training_batches=100)(8)
     with torch.no_grad():  # affine parameters and running statistics away from 1 and 0
         layer.weight.copy_(torch.linspace(0.5, 1.5, 8))
         layer.bias.copy_(torch.linspace(-0.3, 0.3, 8))

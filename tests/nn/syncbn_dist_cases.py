@@ -274,7 +274,7 @@ def _cases(world_size: int) -> dict[str, Callable[[int], object]]:
 
         def emulated_devices(group_size):
             def make():
-                return SyncBatchNorm(CHANNELS, group_size=group_size, devices=2)
+                return SyncBatchNorm(CHANNELS, group_size=group_size, device_slices=2)
 
             return make
 

@@ -80,7 +80,7 @@ def test_rmax_1_dmax_0_is_batchnorm2d_and_bitwise_our_batchnorm():
     # with 4 devices: every slice normalised alone, bit for bit our per-device BatchNorm
     for dtype in (torch.float64, torch.float32):
         batches = [inputs((16, C, 3, 3), seed, dtype) for seed in range(3)]
-        kwargs = {"devices": 4, "dtype": dtype}
+        kwargs = {"device_slices": 4, "dtype": dtype}
         brn = init(BatchRenorm(C, rmax=1, dmax=0, warmup_batches=0, ramp_batches=0, **kwargs))
         ours = init(BatchNorm(C, impl="reference", **kwargs))
         for got, expected in zip(steps(brn, batches), steps(ours, batches), strict=True):
@@ -95,7 +95,7 @@ def test_rmax_1_dmax_0_is_batchnorm2d_and_bitwise_our_batchnorm():
 )
 def test_matches_the_papers_algorithm_with_r_and_d_detached(shape, devices, rmax, dmax):
     brn = init(BatchRenorm(C, rmax=rmax, dmax=dmax, warmup_batches=0, ramp_batches=0,
-                           devices=devices, dtype=torch.float64))  # fmt: skip
+                           device_slices=devices, dtype=torch.float64))  # fmt: skip
     brn.running_var.copy_(torch.tensor([0.2, 4.0, 60.0]))  # r above, inside, below the limits
     weight, bias = brn.weight.detach().clone(), brn.bias.detach().clone()
     running_mean, running_var = brn.running_mean.clone(), brn.running_var.clone()
@@ -197,7 +197,7 @@ def test_constructor_refuses_what_cannot_work():
     with pytest.raises(ValueError, match="ramp_batches=-1"):
         BatchRenorm(C, ramp_batches=-1)
     with pytest.raises(ValueError, match="multiple of 3"):
-        BatchRenorm(C, devices=3)(torch.randn(4, C))
+        BatchRenorm(C, device_slices=3)(torch.randn(4, C))
 
 
 def test_registry_turns_the_fractions_into_batches():
@@ -205,8 +205,8 @@ def test_registry_turns_the_fractions_into_batches():
         {"name": "brn", "eps": 1e-5, "momentum": 0.1, "rmax": 2.0, "dmax": 1.0,
          "warmup": 0.05, "ramp": 0.25}
     )  # fmt: skip
-    layer = norm_layer(cfg, emulated_devices=4, training_batches=1000)(8)
-    assert isinstance(layer, BatchRenorm) and layer.devices == 4
+    layer = norm_layer(cfg, device_slices=4, training_batches=1000)(8)
+    assert isinstance(layer, BatchRenorm) and layer.device_slices == 4
     assert (layer.warmup_batches, layer.ramp_batches, layer.rmax, layer.dmax) == (50, 250, 2, 1)
     with pytest.raises(ValueError, match="training_batches"):
         norm_layer(cfg)(8)
@@ -252,9 +252,10 @@ def test_default_brn_config_validates():
     ],
 )
 def test_normalization_batch_size(overrides, expected):
-    cfg = validate(compose_config([*TINY, *overrides]))
-    per_device = cfg.derived.per_device_batch_size
-    assert normalization_batch_size(cfg.bn, per_device, cfg.parallel) == expected
+    cfg = compose_config([*TINY, *overrides])
+    shape = validate(cfg)
+    assert shape.normalization_batch_size == expected
+    assert normalization_batch_size(cfg.bn, shape.per_device_batch_size, cfg.parallel) == expected
 
 
 def test_as_batchnorm_is_batchnorm_for_the_block_only():
@@ -277,7 +278,7 @@ def test_layouts_and_half_inputs_against_float64(dtype, channels_last, tol):
     """bf16 input (as under autocast) keeps float32 parameters and statistics; channels_last
     input keeps its layout. Both match the float64 run to the input's precision."""
     x, grad = inputs((8, C, 4, 4))
-    kwargs = {"rmax": 1.5, "dmax": 0.5, "warmup_batches": 0, "ramp_batches": 0, "devices": 2}
+    kwargs = {"rmax": 1.5, "dmax": 0.5, "warmup_batches": 0, "ramp_batches": 0, "device_slices": 2}
     reference = steps(init(BatchRenorm(C, dtype=torch.float64, **kwargs)), [(x, grad)])[0]
     x, grad = x.to(dtype), grad.to(dtype)
     if channels_last:

@@ -61,9 +61,9 @@ def calls(monkeypatch) -> collections.Counter:
 
 def make_layer(kind: str, impl: str, devices: int = 1, group_size=None, **kwargs):
     if kind == "bn":
-        layer = BatchNorm(C, impl=impl, devices=devices, **kwargs)
+        layer = BatchNorm(C, impl=impl, device_slices=devices, **kwargs)
     else:
-        layer = SyncBatchNorm(C, impl=impl, group_size=group_size, devices=devices, **kwargs)
+        layer = SyncBatchNorm(C, impl=impl, group_size=group_size, device_slices=devices, **kwargs)
     g = torch.Generator().manual_seed(7)
     if layer.weight is not None:
         with torch.no_grad():

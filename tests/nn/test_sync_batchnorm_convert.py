@@ -22,7 +22,7 @@ def _model() -> nn.Module:
         nn.Unflatten(3, (1, 2)),
         nn.BatchNorm3d(4, affine=False),
         nn.Flatten(2),
-        BatchNorm(4, track_running_stats=False, impl="reference", devices=2),
+        BatchNorm(4, track_running_stats=False, impl="reference", device_slices=2),
     )
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -50,7 +50,7 @@ def _state(bn):
         "buffers": [bn.running_mean, bn.running_var, bn.num_batches_tracked],
         "hyper": (bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats),
         "training": bn.training,
-        "devices": getattr(bn, "devices", 1),
+        "device_slices": getattr(bn, "device_slices", 1),
     }
 
 
@@ -63,7 +63,7 @@ def _assert_same_state(before, after, classes):
         for tb, ta in zip(sb["buffers"], sa["buffers"], strict=True):
             assert ta is tb
         assert sa["hyper"] == sb["hyper"] and sa["training"] == sb["training"]
-    assert [_state(a)["devices"] for a in after] == [1, 1, 1, 2]
+    assert [_state(a)["device_slices"] for a in after] == [1, 1, 1, 2]
 
 
 def test_convert_then_revert_keeps_everything():

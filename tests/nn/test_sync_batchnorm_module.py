@@ -61,12 +61,12 @@ def test_single_process_equals_torch_batchnorm(cls, shape, kwargs):
 
 
 def test_sync_over_emulated_devices_equals_full_batch():
-    ours, theirs = SyncBatchNorm(C, devices=3), torch.nn.BatchNorm2d(C)
+    ours, theirs = SyncBatchNorm(C, device_slices=3), torch.nn.BatchNorm2d(C)
     assert _pair(ours, theirs, (6, C, 3, 2)) <= 1
 
 
 def test_per_device_running_stats_follow_device_zero():
-    ours, theirs = BatchNorm(C, devices=2), torch.nn.BatchNorm2d(C)
+    ours, theirs = BatchNorm(C, device_slices=2), torch.nn.BatchNorm2d(C)
     x = torch.randn(8, C, 3, 3)
     ours(x)
     theirs(x[:4])
@@ -75,7 +75,7 @@ def test_per_device_running_stats_follow_device_zero():
 
 
 def test_emulated_group_size_equals_batchnorm_per_group():
-    ours = SyncBatchNorm(C, group_size=2, devices=4)
+    ours = SyncBatchNorm(C, group_size=2, device_slices=4)
     x = torch.randn(8, C, 3, 3)
     reference = torch.nn.BatchNorm2d(C)
     expected = torch.cat([reference(x[:4]), torch.nn.BatchNorm2d(C)(x[4:])])
@@ -124,7 +124,7 @@ def test_local_communicator_used_once_per_direction_and_never_in_eval(monkeypatc
 
 def test_per_device_batchnorm_never_communicates(monkeypatch):
     monkeypatch.setattr(LocalCommunicator, "all_reduce_sum", lambda self, t: pytest.fail())
-    layer = BatchNorm(C, devices=2)
+    layer = BatchNorm(C, device_slices=2)
     layer(torch.randn(4, C, 3, requires_grad=True)).sum().backward()
 
 
@@ -142,9 +142,9 @@ def test_constructor_and_input_checks():
         BatchNorm(C)(torch.randn(2, C, 1, 1, 1, 1))
     with pytest.raises(ValueError, match="group_size must be >= 1"):
         SyncBatchNorm(C, group_size=0)
-    with pytest.raises(ValueError, match="devices must be a positive integer, got 0"):
-        BatchNorm(C, devices=0)
-    assert "devices=3" in repr(SyncBatchNorm(C, devices=3))
+    with pytest.raises(ValueError, match="device_slices must be a positive integer, got 0"):
+        BatchNorm(C, device_slices=0)
+    assert "device_slices=3" in repr(SyncBatchNorm(C, device_slices=3))
 
 
 def test_bias_false_like_torch():
@@ -160,8 +160,8 @@ def test_bias_false_like_torch():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_module_end_to_end(dtype):
     """A model cast to fp16/bf16 (parameters and buffers too) trains and stays close to fp32."""
-    full = SyncBatchNorm(C, devices=2)
-    half = SyncBatchNorm(C, devices=2).to(dtype)
+    full = SyncBatchNorm(C, device_slices=2)
+    half = SyncBatchNorm(C, device_slices=2).to(dtype)
     x = torch.randn(8, C, 4, 4) * 3 + 5
     grad = torch.randn_like(x)
     y_full, dx_full = _step(full, x, grad)

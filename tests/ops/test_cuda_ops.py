@@ -267,7 +267,7 @@ def test_cuda_module_fused_equals_reference(devices):
         dy = torch.randn(16, 5, 6, 6, generator=g).cuda()
         outs = []
         for impl in ("fused", "reference"):
-            bn = SyncBatchNorm(5, impl=impl, devices=devices).cuda()
+            bn = SyncBatchNorm(5, impl=impl, device_slices=devices).cuda()
             xi = x.clone().requires_grad_()
             for _ in range(2):
                 bn(xi).backward(dy)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from syncbn_lab import models
-from syncbn_lab.config import validate
+from syncbn_lab.config import RunShape, validate
 from syncbn_lab.engine.evaluate import evaluate
 from syncbn_lab.engine.loop import Loaders, Trainer
 from syncbn_lab.engine.optim import build_optimizer
@@ -69,7 +69,8 @@ def case_accumulation_syncs_only_the_last_micro_step(rt: Runtime) -> None:
     """K micro-batches under DDP: one gradient all-reduce per step (no_sync before), and the
     update of one batch K x the size in one process (bn=gn, float64)."""
     accumulate, per_device = 4, 4
-    cfg = validate(compose_config([*TINY, "bn=gn", "bn.groups=2", "parallel=ddp"]))
+    cfg = compose_config([*TINY, "bn=gn", "bn.groups=2", "parallel=ddp"])
+    validate(cfg)
     steps = []
     for k in (1, accumulate):
         cfg.trainer.accumulate = k
@@ -166,7 +167,8 @@ def case_traffic_counts_what_each_collective_sends(rt: Runtime) -> None:
     """Two optimizer steps with bn=sync: the counted bytes per step are the model's
     parameters once (float32 gradients), its buffers once (the broadcast before forward) and,
     per norm layer, the forward payload of 2C+1 float64 and the backward one of 2C float32."""
-    cfg = validate(compose_config([*TINY, "bn=sync", "parallel=ddp"]))
+    cfg = compose_config([*TINY, "bn=sync", "parallel=ddp"])
+    validate(cfg)
     model = resnet(SYNC)
     wrapped = parallelize(model, cfg, rt).model
     loaders = Loaders(train=[None] * 8, val=[], test=[])
@@ -199,7 +201,7 @@ CASES = {
 }
 
 
-def run_cases(rt: Runtime, cfg, run_dir) -> dict[str, str]:
+def run_cases(rt: Runtime, cfg, shape, run_dir) -> dict[str, str]:
     """Worker: every case on every rank; rank 0 returns {case: "" or the failure}."""
     outcomes = {}
     for name, case in CASES.items():
@@ -219,11 +221,14 @@ def outcomes(tmp_path_factory):
     cfg = OmegaConf.create(
         {
             "parallel": {"devices": WORLD, "start_method": "forkserver", "timeout_s": 60},
-            "derived": {"backend": "gloo", "device": "cpu"},
             "trainer": {"threads": None},
         }
     )
-    return launch_ddp(cfg, run_cases, tmp_path_factory.mktemp("ddp"))
+    shape = RunShape(
+        variant="bn", mode="ddp", devices=WORLD, per_device_batch_size=8, slices_per_process=1,
+        device_slices=1, normalization_batch_size=8, device="cpu", backend="gloo",
+    )  # fmt: skip
+    return launch_ddp(cfg, shape, run_cases, tmp_path_factory.mktemp("ddp"))
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -13,7 +13,6 @@ from parallel_helpers import assert_running_stats_are_population_stats, assert_s
 from torch import nn
 
 from syncbn_lab import models
-from syncbn_lab.config import validate
 from syncbn_lab.engine.loop import Loaders, Trainer
 from syncbn_lab.engine.optim import build_optimizer
 from syncbn_lab.engine.precise_bn import update_bn_stats
@@ -32,7 +31,7 @@ RESNET8 = OmegaConf.create({"name": "resnet8", "width": 4, "zero_init_residual":
 
 def resnet(bn_cfg, devices=1, dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
-    model = models.build(RESNET8, norm_layer(bn_cfg, emulated_devices=devices), 4, 1)
+    model = models.build(RESNET8, norm_layer(bn_cfg, device_slices=devices), 4, 1)
     return model.to(dtype)
 
 
@@ -157,7 +156,7 @@ def test_accumulation_equals_a_larger_batch_without_bn(devices):
         )
         cfg.trainer.accumulate = k
         model = resnet(GN, dtype=torch.float64)
-        wrapped = parallelize(model, validate(cfg), Runtime()).model
+        wrapped = parallelize(model, cfg, Runtime()).model
         trainer = trainer_for(cfg, model, wrapped)
         size = per_step // k
         micro = [
@@ -179,7 +178,7 @@ def test_accumulation_with_bn_normalises_each_micro_batch_per_device():
     cfg.trainer.accumulate = accumulate
     model = resnet(BN, devices=devices)
     reference = torch_bn_copy(model).train()
-    wrapped = parallelize(model, validate(cfg), Runtime()).model
+    wrapped = parallelize(model, cfg, Runtime()).model
     trainer = trainer_for(cfg, model, wrapped)
     micro = [data(devices * per_device, seed=s) for s in range(accumulate)]
 
@@ -223,7 +222,7 @@ def test_precise_bn_equals_population_statistics(bn_cfg, devices):
         m.num_batches_tracked.clone() for m in model.modules() if hasattr(m, "num_batches_tracked")
     ]
     reference = torch_bn_copy(model).train()
-    update_bn_stats(model, images, num_batches, Runtime(devices_per_process=devices))
+    update_bn_stats(model, images, num_batches, Runtime(slices_per_process=devices))
 
     captured: dict[str, list[torch.Tensor]] = {}
     hooks = [

@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import CONFIG_DIR, TINY, compose_config
 
-from syncbn_lab import config as config_module
 from syncbn_lab.config import validate
 from syncbn_lab.errors import ConfigError
+from syncbn_lab.parallel import modes as modes_module
 
 
 def one_line_error(*overrides) -> str:
@@ -50,11 +50,36 @@ def test_global_batch_not_divisible(mode):
 
 
 def test_per_device_batch_is_derived():
-    cfg = validate(
-        compose_config([*TINY, "parallel=ddp", "parallel.devices=4", "trainer.accumulate=2"])
+    cfg = compose_config([*TINY, "parallel=ddp", "parallel.devices=4", "trainer.accumulate=2"])
+    shape = validate(cfg)
+    assert shape.per_device_batch_size == 32 // (4 * 2)
+    assert shape.backend == "gloo"
+    assert shape.slices_per_process == 1 and shape.device_slices == 1
+    assert "derived" not in cfg  # validate reads the config and writes nothing into it
+
+
+@pytest.mark.parametrize(
+    ("mode", "slices_per_process", "device_slices"),
+    [("emulated", 4, 4), ("ddp", 1, 1)],
+)
+def test_device_slices_by_mode(mode, slices_per_process, device_slices):
+    """Emulation puts every device's slice through one process and one layer; DDP one each."""
+    shape = validate(compose_config([*TINY, f"parallel={mode}", "parallel.devices=4"]))
+    assert (shape.devices, shape.slices_per_process, shape.device_slices) == (
+        4,
+        slices_per_process,
+        device_slices,
     )
-    assert cfg.derived.per_device_batch_size == 32 // (4 * 2)
-    assert cfg.derived.backend == "gloo"
+    assert shape.backend == ("gloo" if mode == "ddp" else None)
+
+
+def test_run_shape_pickles_for_spawned_ranks():
+    import pickle
+
+    shape = compose_config([*TINY, "parallel=ddp", "parallel.devices=2"])
+
+    validate(shape)
+    assert pickle.loads(pickle.dumps(shape)) == shape
 
 
 @pytest.mark.parametrize("mode", ["emulated", "ddp"])
@@ -108,7 +133,7 @@ def test_unknown_dist_bn():
 
 
 def test_more_gloo_processes_than_cores_warns(monkeypatch):
-    monkeypatch.setattr(config_module, "available_cores", lambda: 2)
+    monkeypatch.setattr(modes_module, "available_cores", lambda: 2)
     with pytest.warns(UserWarning, match="starts 4 gloo processes on 2 CPU core") as caught:
         validate(compose_config([*TINY, "parallel=ddp", "parallel.devices=4"]))
     w = caught[0]
@@ -123,8 +148,8 @@ def test_under_torchrun_devices_follow_world_size(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    cfg = validate(compose_config([*TINY, "parallel=ddp"]))
-    assert cfg.parallel.devices == 4 and cfg.derived.per_device_batch_size == 8
+    cfg = compose_config([*TINY, "parallel=ddp"])
+    assert cfg.parallel.devices == 4 and validate(cfg).per_device_batch_size == 8
     assert "pass parallel.devices=4" in one_line_error("parallel=ddp", "parallel.devices=2")
     assert "use parallel=ddp under torchrun" in one_line_error("parallel=emulated")
 

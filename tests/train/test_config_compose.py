@@ -40,7 +40,7 @@ def test_option_composes_and_instantiates(group, option):
         assert not torch.cuda.is_available()
         assert "CUDA" in str(e) and "\n" not in str(e)
         return
-    norm = norm_layer(cfg.bn, emulated_devices=cfg.parallel.devices, training_batches=100)
+    norm = norm_layer(cfg.bn, device_slices=cfg.parallel.devices, training_batches=100)
     in_channels = 1 if cfg.data.name in ("mnist", "fashion_mnist", "digits") else 3
     model = models.build(cfg.model, norm, num_classes=10, in_channels=in_channels)
     build_optimizer(cfg.optim, model)

@@ -77,7 +77,7 @@ def test_debug_overfit_fits_one_batch_repeated(tmp_path, tiny_cfg):
 
 def test_repeated_batches_are_the_first_batches_of_epoch_0():
     dataset = list(range(100))
-    rt = Runtime(device=torch.device("cpu"), devices_per_process=4)
+    rt = Runtime(device=torch.device("cpu"), slices_per_process=4)
 
     def sampler():
         return DeviceBatchSampler(dataset, 5, rt.total_devices, rt.local_device_ranks, seed=3)

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 from syncbn_lab.errors import ConfigError
@@ -35,27 +34,6 @@ def to_device(images: torch.Tensor, device: torch.device, layout: torch.memory_f
     if images.dim() != 4:
         layout = torch.preserve_format
     return images.to(device, non_blocking=True, memory_format=layout)
-
-
-def check(cfg: DictConfig) -> None:
-    """The combinations trainer.compile cannot run, as one line before the run starts."""
-    t = cfg.trainer
-    for key in ("channels_last", "compile"):
-        if not isinstance(t.get(key, False), bool):
-            raise ConfigError(f"trainer.{key}={t.get(key)} must be true or false")
-    if not t.get("compile", False):
-        return
-    if cfg.parallel.name == "dp":
-        raise ConfigError(
-            "trainer.compile=true cannot compile DataParallel (its replicas are made on every "
-            "forward); use trainer.compile=false, or parallel=emulated for the same numerics"
-        )
-    if cfg.parallel.name == "ddp":
-        raise ConfigError(
-            "trainer.compile=true compiles one-process runs (parallel=single or emulated): "
-            "DistributedDataParallel's forward and SyncBN's all_reduce do not trace as one "
-            "graph; use trainer.compile=false, or parallel=emulated for the same numerics"
-        )
 
 
 def compile_model(model: nn.Module) -> Callable:

@@ -50,7 +50,7 @@ class _PopulationStats:
 
     def __init__(self, layer: _BatchNorm):
         self.layer = layer
-        self.devices = int(getattr(layer, "devices", 1))
+        self.devices = int(getattr(layer, "device_slices", 1))
         channels = layer.num_features
         self.sum_mean = torch.zeros(channels, dtype=torch.float64, device=layer.running_mean.device)
         self.sum_square = torch.zeros_like(self.sum_mean)

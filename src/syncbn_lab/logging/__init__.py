@@ -11,11 +11,14 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from syncbn_lab.logging.console import wandb_lines
+
+if TYPE_CHECKING:
+    from syncbn_lab.config import RunShape
 
 
 class NullLogger:
@@ -34,10 +37,10 @@ class NullLogger:
 class RunLogger(NullLogger):
     """Appends one JSON object per record to metrics.jsonl; mirrors everything to W&B."""
 
-    def __init__(self, run_dir: Path, cfg: DictConfig):
+    def __init__(self, run_dir: Path, cfg: DictConfig, shape: RunShape):
         self.run_dir = run_dir
         self.metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
-        self.wandb_run = _start_wandb(run_dir, cfg) if cfg.logger.name == "wandb" else None
+        self.wandb_run = _start_wandb(run_dir, cfg, shape) if cfg.logger.name == "wandb" else None
         self.wandb_lines = wandb_lines(self.wandb_run)
 
     def log(self, record: dict[str, Any]) -> None:
@@ -62,12 +65,12 @@ class RunLogger(NullLogger):
             wandb.teardown()
 
 
-def _start_wandb(run_dir: Path, cfg: DictConfig):
+def _start_wandb(run_dir: Path, cfg: DictConfig, shape: RunShape):
     tags = [
         f"bn={cfg.bn.name}",
         f"parallel={cfg.parallel.name}",
         f"devices={cfg.parallel.devices}",
-        f"per_device_batch={cfg.derived.per_device_batch_size}",
+        f"per_device_batch={shape.per_device_batch_size}",
     ]
     name = cfg.logger.run_name or (
         f"{cfg.bn.name}-{cfg.parallel.name}{cfg.parallel.devices}-s{cfg.trainer.seed}"

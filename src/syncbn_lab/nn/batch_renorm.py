@@ -172,7 +172,7 @@ _NO_GRADS = (None,) * 3  # call, rmax, dmax
 class BatchRenorm(BatchNorm):
     """Batch Renormalization with torch's BatchNorm constructor and state-dict keys.
 
-    Each device slice (``devices``, as :class:`~syncbn_lab.nn.BatchNorm`) is normalised with
+    Each device slice (``device_slices``, as :class:`~syncbn_lab.nn.BatchNorm`) is normalised with
     its own batch statistics and corrected towards the running statistics by r and d (see
     the module doc); the running statistics follow slice 0. Eval mode is BatchNorm's.
 
@@ -197,7 +197,7 @@ class BatchRenorm(BatchNorm):
         dtype=None,
         *,
         bias: bool = True,
-        devices: int = 1,
+        device_slices: int = 1,
         rmax: float = 3.0,
         dmax: float = 5.0,
         warmup_batches: int = 5_000,
@@ -216,7 +216,7 @@ class BatchRenorm(BatchNorm):
             )
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, device, dtype,
-            bias=bias, impl="reference", devices=devices,
+            bias=bias, impl="reference", device_slices=device_slices,
         )  # fmt: skip
         self.rmax, self.dmax = float(rmax), float(dmax)
         self.warmup_batches, self.ramp_batches = int(warmup_batches), int(ramp_batches)
@@ -260,12 +260,12 @@ class BatchRenorm(BatchNorm):
             momentum=self.momentum,
             eps=self.eps,
             num_batches_tracked=self.num_batches_tracked,
-            devices=self.devices,
+            devices=self.device_slices,
         )
 
     def extra_repr(self) -> str:
-        devices = f", devices={self.devices}" if self.devices != 1 else ""
+        slices = f", device_slices={self.device_slices}" if self.device_slices != 1 else ""
         return (
-            f"{_BatchNorm.extra_repr(self)}{devices}, rmax={self.rmax}, dmax={self.dmax}, "
+            f"{_BatchNorm.extra_repr(self)}{slices}, rmax={self.rmax}, dmax={self.dmax}, "
             f"warmup_batches={self.warmup_batches}, ramp_batches={self.ramp_batches}"
         )

@@ -2,7 +2,7 @@
 
 Both functions reuse the original Parameter and buffer tensors (so optimizers holding the
 parameters keep working, and requires_grad, device and dtype are unchanged) and copy the
-training flag, ``devices``, ``impl`` and a ``qconfig`` if present.
+training flag, ``device_slices``, ``impl`` and a ``qconfig`` if present.
 
 Reverting needs a class to revert to: a layer converted by :func:`convert_sync_batchnorm`
 remembers the class it came from (``torch.nn.BatchNorm1d/2d/3d`` or this package's
@@ -115,7 +115,7 @@ def _move_state(source: _BatchNorm, target: _BatchNorm) -> None:
                 setattr(target, name, getattr(source, name))
     target.training = source.training
     if isinstance(target, BatchNorm):
-        target.devices = getattr(source, "devices", 1)
+        target.device_slices = getattr(source, "device_slices", 1)
     if hasattr(source, "qconfig"):
         target.qconfig = source.qconfig
 

@@ -34,19 +34,19 @@ def _check_impl(impl: str) -> str:
 class BatchNorm(_BatchNorm):
     """Per-device BatchNorm for 2-D to 5-D input, through ``functional.batch_norm``.
 
-    Equal to ``torch.nn.BatchNorm1d/2d/3d`` with ``devices == 1``. With ``devices = D`` (set
-    by the single-process emulation of D devices) the batch is D equal consecutive slices and
-    each slice is normalised with its own statistics, exactly as D replicas under
-    DataParallel or DDP would do; running statistics follow slice 0 (device 0's buffers are
-    the ones that survive). State dict keys are those of ``torch.nn.BatchNorm2d``.
+    Equal to ``torch.nn.BatchNorm1d/2d/3d`` with ``device_slices == 1``. With
+    ``device_slices = D`` (set by the single-process emulation of D devices) the batch is D
+    equal consecutive slices and each slice is normalised with its own statistics, exactly as
+    D replicas under DataParallel or DDP would do; running statistics follow slice 0 (device
+    0's buffers are the ones that survive). State dict keys are those of ``torch.nn.BatchNorm2d``.
 
     ``impl``: "auto" (default: the fused kernels when syncbn_lab._C is built and takes the
     input, else the reference), "fused" (raises when the extension is missing) or "reference".
-    Eval mode always runs the reference. ``devices``: how many devices' slices one forward
+    Eval mode always runs the reference. ``device_slices``: how many devices' slices one forward
     call holds (the single-process emulation passes ``parallel.devices``; 1 otherwise).
     """
 
-    devices: int
+    device_slices: int
     impl: str
 
     def __init__(
@@ -61,7 +61,7 @@ class BatchNorm(_BatchNorm):
         *,
         bias: bool = True,
         impl: str = "auto",
-        devices: int = 1,
+        device_slices: int = 1,
     ) -> None:
         # Older torch releases (2.11 among them) take no `bias` argument: affine BN has one.
         kwargs = {"bias": bias} if TORCH_BN_TAKES_BIAS else {}
@@ -70,11 +70,12 @@ class BatchNorm(_BatchNorm):
         )
         if affine and not bias and not TORCH_BN_TAKES_BIAS:
             self.register_parameter("bias", None)
-        if not isinstance(devices, int) or devices < 1:
+        if not isinstance(device_slices, int) or device_slices < 1:
             raise ValueError(
-                f"{type(self).__name__} devices must be a positive integer, got {devices}"
+                f"{type(self).__name__} device_slices must be a positive integer, got "
+                f"{device_slices}"
             )
-        self.devices = devices
+        self.device_slices = device_slices
         self.impl = _check_impl(impl)
 
     def reset_parameters(self) -> None:
@@ -119,7 +120,7 @@ class BatchNorm(_BatchNorm):
             momentum=self.momentum,
             eps=self.eps,
             num_batches_tracked=self.num_batches_tracked,
-            devices=self.devices,
+            devices=self.device_slices,
             comm=comm,
             group_size=group_size,
             impl=self.impl,
@@ -127,8 +128,8 @@ class BatchNorm(_BatchNorm):
 
     def extra_repr(self) -> str:
         extra = super().extra_repr()
-        if self.devices != 1:
-            extra += f", devices={self.devices}"
+        if self.device_slices != 1:
+            extra += f", device_slices={self.device_slices}"
         if self.impl != "auto":
             extra += f", impl={self.impl!r}"
         return extra
@@ -159,7 +160,7 @@ class SyncBatchNorm(BatchNorm):
 
     Who synchronises with whom: all ranks of ``process_group`` (default WORLD), or
     consecutive groups of ``group_size`` devices (``group_size`` counts devices: ranks times
-    the ``devices`` slices each rank emulates). Without an initialised process group, or in a
+    the ``device_slices`` each rank emulates). Without an initialised process group, or in a
     group of one rank, it is BatchNorm over all ``devices`` slices merged.
 
     Args:
@@ -189,7 +190,7 @@ class SyncBatchNorm(BatchNorm):
         group_size: int | None = None,
         impl: str = "auto",
         bias: bool = True,
-        devices: int = 1,
+        device_slices: int = 1,
     ) -> None:
         super().__init__(
             num_features,
@@ -201,7 +202,7 @@ class SyncBatchNorm(BatchNorm):
             dtype,
             bias=bias,
             impl=impl,
-            devices=devices,
+            device_slices=device_slices,
         )
         if process_group is not None and group_size is not None:
             raise ValueError("give SyncBatchNorm either process_group or group_size, not both")
@@ -216,13 +217,13 @@ class SyncBatchNorm(BatchNorm):
         distributed = dist.is_available() and dist.is_initialized()
         if not distributed or dist.get_world_size() == 1:
             return LocalCommunicator(), self.group_size  # groups of emulated devices
-        if self.group_size % self.devices == 0:  # each group spans whole ranks
-            return communicator_for(subgroup_for(self.group_size // self.devices)), None
-        if self.devices % self.group_size == 0:  # groups inside each rank's slices
+        if self.group_size % self.device_slices == 0:  # each group spans whole ranks
+            return communicator_for(subgroup_for(self.group_size // self.device_slices)), None
+        if self.device_slices % self.group_size == 0:  # groups inside each rank's slices
             return LocalCommunicator(), self.group_size
         raise ValueError(
             f"SyncBatchNorm group_size={self.group_size} neither divides nor is a multiple "
-            f"of devices={self.devices} per rank"
+            f"of device_slices={self.device_slices} per rank"
         )
 
     def extra_repr(self) -> str:

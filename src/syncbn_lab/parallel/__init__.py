@@ -2,6 +2,7 @@
 
 from syncbn_lab.parallel.context import Runtime
 from syncbn_lab.parallel.launch import launch
-from syncbn_lab.parallel.wrap import Parallel, parallelize
+from syncbn_lab.parallel.modes import parallelize
+from syncbn_lab.parallel.wrap import Parallel
 
 __all__ = ["Parallel", "Runtime", "launch", "parallelize"]

@@ -12,16 +12,16 @@ import torch.distributed as dist
 class Runtime:
     """Rank, world and device of this process.
 
-    ``world_size`` counts processes; ``devices_per_process`` counts the devices one process
-    stands in for (1, except under ``parallel=emulated``). Device ``d`` of process ``r`` is
-    global device ``r * devices_per_process + d``.
+    ``world_size`` counts processes; ``slices_per_process`` counts the device slices one
+    process's batch holds (N under ``parallel=emulated`` and ``dp``, else 1). Slice ``d`` of
+    process ``r`` is global device ``r * slices_per_process + d``.
     """
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    devices_per_process: int = 1
+    slices_per_process: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -33,12 +33,12 @@ class Runtime:
 
     @property
     def total_devices(self) -> int:
-        return self.world_size * self.devices_per_process
+        return self.world_size * self.slices_per_process
 
     @property
     def local_device_ranks(self) -> list[int]:
-        first = self.rank * self.devices_per_process
-        return list(range(first, first + self.devices_per_process))
+        first = self.rank * self.slices_per_process
+        return list(range(first, first + self.slices_per_process))
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over processes in place (a no-op in one process)."""

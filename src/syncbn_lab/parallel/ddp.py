@@ -29,17 +29,20 @@ import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
-from syncbn_lab.config import available_cores, torchrun_env
 from syncbn_lab.engine import preemption
 from syncbn_lab.errors import OneLineError, one_line
+from syncbn_lab.machine import available_cores, torchrun_env
 from syncbn_lab.parallel.context import Runtime
+
+if TYPE_CHECKING:
+    from syncbn_lab.config import RunShape
 
 GRACE_S = 3.0  # after a first failure: time to collect the other ranks' reports
 
@@ -85,21 +88,24 @@ class _Report:
 
 
 # -- entry points ---------------------------------------------------------------------------
-def launch_ddp(cfg: DictConfig, worker, run_dir: Path) -> dict[str, Any]:
-    """Run ``worker`` on every rank; return rank 0's summary (raise RankFailed on failure)."""
+def launch_ddp(cfg: DictConfig, shape: RunShape, worker, run_dir: Path) -> dict[str, Any]:
+    """Run ``worker`` on every rank; return rank 0's summary (raise RankFailed on failure).
+    ``shape`` (``config.validate``'s) travels to the ranks with the config."""
     launched = torchrun_env()
     if launched is not None:
-        return _run_torchrun_rank(cfg, worker, run_dir, launched)
-    return _spawn_and_supervise(cfg, worker, run_dir)
+        return _run_torchrun_rank(cfg, shape, worker, run_dir, launched)
+    return _spawn_and_supervise(cfg, shape, worker, run_dir)
 
 
-def _run_torchrun_rank(cfg, worker, run_dir: Path, env: dict[str, int]) -> dict[str, Any]:
+def _run_torchrun_rank(
+    cfg, shape: RunShape, worker, run_dir: Path, env: dict[str, int]
+) -> dict[str, Any]:
     """This process is one of torchrun's ranks: join the group (env://) and run."""
     p = cfg.parallel
-    device = _device_for(cfg, env["local_rank"])
+    device = _device_for(shape, env["local_rank"])
     _set_threads(cfg, env["local_world_size"])
     dist.init_process_group(
-        cfg.derived.backend,
+        shape.backend,
         init_method="env://",
         timeout=datetime.timedelta(seconds=p.timeout_s),
         device_id=device if device.type == "cuda" else None,
@@ -115,7 +121,7 @@ def _run_torchrun_rank(cfg, worker, run_dir: Path, env: dict[str, int]) -> dict[
             local_rank=env["local_rank"],
         )
         try:
-            return worker(rt, cfg, Path(holder[0]))
+            return worker(rt, cfg, shape, Path(holder[0]))
         except Exception as e:
             if _is_peer_failure(e):
                 raise PeerFailed(
@@ -127,7 +133,9 @@ def _run_torchrun_rank(cfg, worker, run_dir: Path, env: dict[str, int]) -> dict[
         _destroy_process_group()
 
 
-def _spawn_and_supervise(cfg: DictConfig, worker, run_dir: Path) -> dict[str, Any]:
+def _spawn_and_supervise(
+    cfg: DictConfig, shape: RunShape, worker, run_dir: Path
+) -> dict[str, Any]:
     p = cfg.parallel
     world_size = int(p.devices)
     ctx = mp.get_context(p.start_method)
@@ -155,6 +163,7 @@ def _spawn_and_supervise(cfg: DictConfig, worker, run_dir: Path) -> dict[str, An
                     world_size,
                     store.port,
                     container,
+                    shape,
                     str(run_dir),
                     worker,
                     dict(os.environ),
@@ -280,6 +289,7 @@ def _rank_main(
     world_size: int,
     store_port: int,
     container: dict,
+    shape: RunShape,
     run_dir: str,
     worker,
     environ: dict[str, str],
@@ -295,12 +305,12 @@ def _rank_main(
     code = 0
     try:
         cfg = OmegaConf.create(container)
-        device = _device_for(cfg, rank)
+        device = _device_for(shape, rank)
         _set_threads(cfg, world_size)
         timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
         store = dist.TCPStore("127.0.0.1", store_port, None, False, timeout=timeout)
         dist.init_process_group(
-            cfg.derived.backend,
+            shape.backend,
             store=store,
             rank=rank,
             world_size=world_size,
@@ -309,7 +319,7 @@ def _rank_main(
         )
         rt = Runtime(device=device, rank=rank, world_size=world_size, local_rank=rank)
         with preemption.stop_signals():
-            summary = worker(rt, cfg, Path(run_dir))
+            summary = worker(rt, cfg, shape, Path(run_dir))
         report.send(_Report(rank, time.time(), "ok", summary=summary if rank == 0 else None))
     except KeyboardInterrupt:
         code = 130  # the terminal's Ctrl-C reached every rank; the parent reports it once
@@ -353,8 +363,8 @@ def _watch_parent(lifeline: Connection) -> None:
 
 
 # -- helpers ------------------------------------------------------------------------------
-def _device_for(cfg: DictConfig, local_rank: int) -> torch.device:
-    if cfg.derived.device == "cuda":
+def _device_for(shape: RunShape, local_rank: int) -> torch.device:
+    if shape.device == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

@@ -4,7 +4,7 @@ What makes the emulation exact lives elsewhere and is only put together here:
 
 - the batch: slice d of every local batch is what rank d of an N-rank DDP run gets
   (``sampling.DeviceBatchSampler``);
-- normalisation: every BatchNorm layer was built with ``devices = N`` and computes statistics
+- normalisation: every BatchNorm layer was built with ``device_slices = N`` and computes statistics
   per slice; SyncBatchNorm sums the slices' statistics (``syncbn_lab.nn``), the sum that the
   all_reduce does under DDP;
 - the gradient: the loss is the mean over the local batch, i.e. the mean over devices of the
@@ -42,7 +42,7 @@ class DeviceRunningStats:
 
     def __init__(self, layer: BatchNorm):
         self.layer = layer
-        others = layer.devices - 1
+        others = layer.device_slices - 1
         self.mean = layer.running_mean.detach().clone().unsqueeze(0).repeat(others, 1)
         self.var = layer.running_var.detach().clone().unsqueeze(0).repeat(others, 1)
         self.handle = layer.register_forward_hook(self._update)
@@ -52,7 +52,7 @@ class DeviceRunningStats:
         if not layer.training:
             return
         x = args[0].detach()
-        devices = layer.devices
+        devices = layer.device_slices
         slices = x.reshape(devices, x.shape[0] // devices, *x.shape[1:]).transpose(1, 2)
         slices = slices.reshape(devices, x.shape[1], -1)[1:].double()  # devices 1..N-1
         var, mean = torch.var_mean(slices, dim=2, correction=1)
@@ -70,7 +70,7 @@ class DeviceRunningStats:
     @torch.no_grad()
     def reduce_mean(self) -> None:
         """Every device's running statistics become their mean over the N devices."""
-        layer, devices = self.layer, self.layer.devices
+        layer, devices = self.layer, self.layer.device_slices
         layer.running_mean.copy_((layer.running_mean + self.mean.sum(0)) / devices)
         layer.running_var.copy_((layer.running_var + self.var.sum(0)) / devices)
         self.broadcast_from_device0()
@@ -110,7 +110,7 @@ class EmulatedDevices(nn.Module):
                 if isinstance(m, BatchNorm)
                 and not isinstance(m, SyncBatchNorm)  # SyncBN: every device has the same stats
                 and m.track_running_stats
-                and getattr(m, "devices", 1) == devices
+                and getattr(m, "device_slices", 1) == devices
             ]
 
     def forward(self, *args, **kwargs):

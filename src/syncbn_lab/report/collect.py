@@ -10,9 +10,10 @@ from typing import Any
 
 from syncbn_lab.errors import UserError
 from syncbn_lab.multirun import ERROR_FILE, finished_summary
+from syncbn_lab.variants import GROUP
 
 CSV_COLUMNS = (
-    "bn",
+    GROUP,
     "parallel",
     "devices",
     "per_device_batch_size",

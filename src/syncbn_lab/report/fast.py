@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from syncbn_lab.parallel.modes import MODES
 from syncbn_lab.report.collect import Run
 from syncbn_lab.report.stats import ALPHA, Paired, mean_std, noise_floor, paired
+from syncbn_lab.variants import GROUP, VARIANTS
 
 ARMS = ("fp32", "fast")
 FP32_OVERRIDES = ("trainer.precision=fp32", "trainer.channels_last=false", "trainer.compile=false")
@@ -59,7 +61,7 @@ def by_arm(runs: Iterable[dict[str, Any]], cell: tuple[str, int], arm: str, metr
     return {
         r["seed"]: value(r, metric)
         for r in runs
-        if (r["bn"], r["devices"]) == cell and r["arm"] == arm
+        if (r[GROUP], r["devices"]) == cell and r["arm"] == arm
     }
 
 
@@ -92,7 +94,7 @@ def study_noise_floor(results_csv: Path) -> dict[str, float]:
         rows = [
             row
             for row in csv.DictReader(f)
-            if row["bn"] == "sync" and row["parallel"] == "emulated"
+            if VARIANTS[row[GROUP]].role == "reference" and MODES[row["parallel"]].emulated
         ]
     runs = [
         Run(Path(row["run_dir"]), {
@@ -115,7 +117,7 @@ def speed(runs: list[dict[str, Any]], key: str) -> tuple[float, float, float]:
 
     pairs = {}
     for r in runs:
-        pairs.setdefault((r["bn"], r["devices"], r["seed"]), {})[r["arm"]] = r[key]
+        pairs.setdefault((r[GROUP], r["devices"], r["seed"]), {})[r["arm"]] = r[key]
     ratios = [p["fp32"] / p["fast"] for p in pairs.values() if len(p) == 2]
     fp32 = statistics.fmean(p["fp32"] for p in pairs.values() if "fp32" in p)
     fast = statistics.fmean(p["fast"] for p in pairs.values() if "fast" in p)
@@ -195,7 +197,7 @@ def render(
         "a shift within the noise when its mean is at most the noise of a difference of two "
         "runs.",
         "",
-        _row("bn", "images per device", "metric", "fp32 (mean ± std)", "fast (mean ± std)",
+        _row(GROUP, "images per device", "metric", "fp32 (mean ± std)", "fast (mean ± std)",
              "fast - fp32 (paired)", "p", "p (Holm)", "verdict"),
         _row(*["---"] * 9),
     ]  # fmt: skip

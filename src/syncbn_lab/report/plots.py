@@ -10,6 +10,7 @@ from pathlib import Path
 
 from syncbn_lab.report.collect import Run
 from syncbn_lab.report.stats import mean_std
+from syncbn_lab.variants import GROUP, VARIANTS
 
 X_AXES = {
     "per_device_batch_size": "images per device (global batch fixed)",
@@ -27,26 +28,34 @@ def write_plots(runs: list[Run], out_dir: Path, variants: list[str]) -> list[str
 
     matplotlib.use("Agg")
     names = [_error_plot(runs, out_dir, variants, x_axis) for x_axis in X_AXES]
-    curves = _loss_curves(runs, out_dir, [v for v in ("bn", "brn", "sync") if v in variants])
+    curves = _loss_curves(runs, out_dir, [v for v in variants if _has_curves(v)])
     return names + ([curves] if curves else [])
+
+
+def _has_curves(name: str) -> bool:
+    """The loss curves show the study's batch-dependent variants (baseline, reference and
+    the remedies with running statistics)."""
+    spec = VARIANTS.get(name)
+    return spec is not None and spec.role is not None and not spec.per_sample
 
 
 def _series(runs: list[Run], variants: list[str], x_axis: str):
     """(label, style, xs, means, stds) per line: EMA for every batch-dependent variant,
-    PreciseBN dashed for bn; GroupNorm as (label, None, [], mean, std)."""
+    PreciseBN dashed for the baseline; a per-sample variant as (label, None, [], mean, std)."""
     for v in variants:
-        members = [r for r in runs if r["bn"] == v]
-        if v == "gn":
+        spec = VARIANTS.get(v)
+        members = [r for r in runs if r[GROUP] == v]
+        if spec is not None and spec.per_sample:
             m, s = mean_std([r.test_error for r in members])
-            yield f"gn (±{s:.2f})", None, [], m, s
+            yield f"{v} (±{s:.2f})", None, [], m, s
             continue
         cells = defaultdict(list)
         for r in members:
             cells[r[x_axis]].append(r)
         xs = sorted(cells)
         lines = [("test_error", "-o", f"{v} (EMA)")]
-        if v == "bn":
-            lines.append(("test_error_precise_bn", "--s", "bn (PreciseBN)"))
+        if spec is not None and spec.role == "baseline":
+            lines.append(("test_error_precise_bn", "--s", f"{v} (PreciseBN)"))
         for attr, style, label in lines:
             points = [mean_std([getattr(r, attr) for r in cells[x]]) for x in xs]
             if all(math.isnan(m) for m, _ in points):
@@ -119,7 +128,7 @@ def _loss_curves(runs: list[Run], out_dir: Path, variants: list[str]) -> str | N
     for ax, v in zip(axes, variants, strict=True):
         by_batch = defaultdict(list)
         for r in runs:
-            if r["bn"] == v and r.loss_curve:
+            if r[GROUP] == v and r.loss_curve:
                 by_batch[r["per_device_batch_size"]].append(dict(r.loss_curve))
         for batch in sorted(by_batch, reverse=True):
             curves = by_batch[batch]
@@ -131,7 +140,7 @@ def _loss_curves(runs: list[Run], out_dir: Path, variants: list[str]) -> str | N
                 color=color[batch],
                 linewidth=1,
             )
-        ax.set_title(f"bn={v}")
+        ax.set_title(f"{GROUP}={v}")
         ax.set_xlabel("optimizer step")
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))

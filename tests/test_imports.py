@@ -1,0 +1,104 @@
+"""The modules of src/syncbn_lab import one another without a cycle.
+
+The imports are read from the source (ast), every ``import`` statement anywhere in a module,
+function-level ones included: a lazy import only hides a cycle until the function runs. Only
+imports under ``if TYPE_CHECKING:`` are left out: they never run (annotations only).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "syncbn_lab"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules that ``path`` imports (``from a import b`` counts a.b when b is
+    a module, else a)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in _executed_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            for alias in node.names:
+                child = f"{base}.{alias.name}"
+                found.add(child if child in modules else base)
+    # a module also imports each package above it (running their __init__)
+    out = set()
+    for target in found:
+        parts = target.split(".")
+        out |= {".".join(parts[: i + 1]) for i in range(len(parts))}
+    return {m for m in out if m in modules and m != name and not name.startswith(m + ".")}
+
+
+def _executed_nodes(tree: ast.AST):
+    """Every node of ``tree`` except the bodies of ``if TYPE_CHECKING:`` blocks."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = sorted((SRC / PACKAGE).rglob("*.py"))
+    modules = {module_name(p) for p in paths}
+    return {module_name(p): imported_modules(p, modules) for p in paths}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a list of nodes (first == last), or None."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_a_cycle_and_only_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_graph_sees_relative_and_lazy_imports():
+    graph = import_graph()
+    assert "syncbn_lab.errors" in graph["syncbn_lab.config"]
+    assert "syncbn_lab.parallel.ddp" in graph["syncbn_lab.parallel.modes"]  # a lazy import
+    assert "syncbn_lab.config" not in graph["syncbn_lab.parallel.modes"]  # TYPE_CHECKING only
+
+
+def test_no_import_cycle_among_the_modules():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
