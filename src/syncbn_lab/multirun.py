@@ -176,7 +176,7 @@ def _check_same_config(cfg: DictConfig, run_dir: Path) -> None:
     differing = sorted(
         key
         for key in set(saved) | set(current)
-        if key.split(".")[0] not in ("skip_finished", "derived")
+        if key.split(".")[0] not in ("skip_finished", "derived", "sweep")
         and key != "trainer.resume"
         and saved.get(key) != current.get(key)
     )

@@ -4,11 +4,9 @@ with the report's tables and plots."""
 import csv
 import os
 
-from conftest import ROOT
 from PIL import Image
 
 from syncbn_lab.logging import report_tables
-from syncbn_lab.testing import load_function
 
 README = """# A study
 
@@ -58,7 +56,8 @@ def test_the_sweep_logs_its_report_as_one_offline_run_in_its_group(tmp_path, cap
     monkeypatch.delenv("WANDB_MODE", raising=False)  # the logger config's mode: offline
     monkeypatch.chdir(tmp_path)
     write_report(tmp_path / "report")
-    log_report_to_wandb = load_function(f"{ROOT / 'scripts' / 'sweep.py'}:log_report_to_wandb")
+    from syncbn_lab.sweep import log_report_to_wandb
+
     sweep = ["experiment=bn_vs_syncbn", "logger.group=study-2026", "hydra/launcher=joblib"]
     log_report_to_wandb(sweep, tmp_path / "report", tmp_path / "sweep", "study")
 

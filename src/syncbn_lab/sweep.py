@@ -1,0 +1,139 @@
+"""A study's sweep: the Hydra multiruns an experiment declares, run one after the other into
+one sweep dir, with a line per finished run (scripts/sweep.py is the entry point).
+
+The experiment's own grid (``hydra.sweeper.params``) is the first multirun; then each of its
+``sweep.parts`` (configs/experiment/*.yaml), in order: overrides on top of the grid. A part
+that chooses a distributed parallel mode (real DDP) runs one job at a time, since its ranks
+take the cores, and is left out when the grid itself already runs under such a mode.
+``--smoke`` swaps in ``sweep.smoke`` (configs/config.yaml): its overrides on every run, and
+its parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from syncbn_lab.errors import UserError, one_line
+from syncbn_lab.logging import log_report
+from syncbn_lab.logging.console import display_path
+from syncbn_lab.machine import available_cores
+from syncbn_lab.multirun import SweepProgress, multirun_config
+
+LAUNCHERS = {"joblib": "hydra/launcher=joblib", "slurm": "hydra/launcher=submitit_slurm"}
+LOG = "sweep.log"  # the jobs' own output, all attempts appended
+POLL_S = 1.0  # how often the sweep dir is read for finished runs
+GRID = "grid"  # the name of the first part: the experiment's own grid
+
+
+def merge(defaults: list[str], overrides: list[str]) -> list[str]:
+    """``defaults`` with every key that ``overrides`` sets replaced by its value there."""
+    given = {o.split("=", 1)[0] for o in overrides}
+    return [d for d in defaults if d.split("=", 1)[0] not in given] + overrides
+
+
+def declared(experiment: str, smoke: bool) -> tuple[list[str], dict[str, list[str]]]:
+    """What ``experiment`` declares for its sweep: the overrides on every run (the smoke
+    sweep's, or none) and its parts after the grid, name -> overrides."""
+    from syncbn_lab.config import CONFIG_DIR, compose
+
+    known = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
+    if experiment not in known:
+        raise UserError(f"--experiment {experiment} is unknown; choose one of {', '.join(known)}")
+    sweep = compose([f"experiment={experiment}"]).sweep
+    chosen = sweep.smoke if smoke else sweep
+    common = list(sweep.smoke.overrides) if smoke else []
+    return common, {k: list(v) for k, v in OmegaConf.to_container(chosen.parts).items()}
+
+
+def _mode_of(overrides: list[str], default: str | None) -> str | None:
+    """The parallel mode ``overrides`` choose (the last ``parallel=`` wins), or ``default``."""
+    chosen = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "parallel"]
+    return chosen[-1] if chosen else default
+
+
+def plan(
+    experiment: str, smoke: bool, parallel: str, launcher: str, overrides: list[str]
+) -> list[dict]:
+    """The sweep's multiruns in order, each ``{"part": name, "overrides": [...]}``."""
+    from syncbn_lab.parallel.modes import mode
+
+    if launcher not in LAUNCHERS:
+        raise UserError(f"--launcher {launcher} is unknown; choose joblib or slurm")
+    common, parts = declared(experiment, smoke)
+    base = [f"parallel={parallel}", LAUNCHERS[launcher]]
+    if launcher == "joblib":
+        base.append(f"hydra.launcher.n_jobs={available_cores()}")  # one job per core
+    base = merge([*base, *common], overrides)
+    grid_distributed = mode(_mode_of(base, parallel)).distributed
+    out = []
+    for part, part_overrides in {GRID: [], **parts}.items():
+        merged = merge(base, part_overrides)
+        own_mode = _mode_of(part_overrides, None)  # a part that chooses its own mode
+        if own_mode is not None and mode(own_mode).distributed:
+            if grid_distributed:
+                continue  # the grid is real DDP already
+            if launcher == "joblib":
+                merged = merge(merged, ["hydra.launcher.n_jobs=1"])  # its ranks take the cores
+        out.append({"part": part, "overrides": merged})
+    return out
+
+
+def multirun_overrides(sweep_dir: Path, experiment: str, overrides: list[str]) -> list[str]:
+    """The arguments of one Hydra multirun of the sweep, after ``train.py -m``."""
+    return [
+        f"experiment={experiment}",
+        f"hydra.sweep.dir={sweep_dir}",
+        "skip_finished=true",  # a run already finished in this sweep dir is not run again
+        *overrides,
+    ]
+
+
+def multirun(
+    train_script: Path, arguments: list[str], progress: SweepProgress, log: Path, verbose: bool
+) -> int:
+    """One Hydra multirun of ``train_script``; prints a line per run as it finishes. The
+    jobs' output goes to ``log``, or to the terminal when ``verbose``. Returns its exit
+    status (1: some jobs failed)."""
+    command = [sys.executable, str(train_script), "-m", *arguments]
+    cwd = train_script.parent.parent
+    with open(log, "a") as out:
+        out.write("+ " + " ".join(command[1:]) + "\n")
+        out.flush()
+        if verbose:
+            print("+", " ".join(command[1:]), flush=True)
+            job = subprocess.Popen(command, cwd=cwd)
+        else:
+            job = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+        while True:
+            finished = job.poll() is not None  # read the runs once more after the end
+            for line in progress.poll():
+                print(line, flush=True)
+            if finished:
+                return job.returncode
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                job.wait(POLL_S)
+
+
+def log_report_to_wandb(arguments: list[str], report_dir: Path, sweep_dir: Path, name: str):
+    """The report as one W&B run in the sweep's group, where the runs logged to W&B (the
+    logger config of the sweep's runs: offline by default)."""
+    logger = multirun_config(arguments).logger
+    if logger.name != "wandb":
+        return
+    group = logger.group or name
+    try:
+        lines = log_report(report_dir, logger, group, sweep_dir)
+    except Exception as e:  # the report is written; W&B is a copy of it
+        print(f"warning: the report was not logged to W&B ({one_line(e)})", file=sys.stderr)
+        return
+    print(f"W&B: the report is run 'report' of group {group}, {lines[0]}", flush=True)
+    if (os.environ.get("WANDB_MODE") or logger.mode) == "offline":
+        runs = f"{display_path(sweep_dir)}/*/wandb/offline-run-*"
+        report = f"{display_path(sweep_dir)}/wandb/offline-run-*"
+        print(f"W&B: upload the runs and the report: wandb sync {runs} {report}", flush=True)

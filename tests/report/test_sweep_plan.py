@@ -1,0 +1,74 @@
+"""scripts/sweep.py runs what the experiment declares (its grid, then sweep.parts from its
+YAML) and defines no grid itself; the number of parallel jobs follows the machine."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+import yaml
+from conftest import CONFIG_DIR, ROOT
+
+from syncbn_lab import sweep
+from syncbn_lab.errors import UserError
+
+
+def experiment_parts(name: str) -> dict[str, list[str]]:
+    """sweep.parts as written in configs/experiment/<name>.yaml (read without Hydra)."""
+    text = (ROOT / "configs" / "experiment" / f"{name}.yaml").read_text()
+    return yaml.safe_load(text)["sweep"]["parts"]
+
+
+@pytest.mark.parametrize("experiment", ["bn_vs_syncbn", "bn_vs_syncbn_mnist"])
+def test_the_plan_is_the_grid_then_the_yaml_parts(experiment, monkeypatch):
+    monkeypatch.setattr(sweep, "available_cores", lambda: 5)
+    parts = sweep.plan(experiment, False, "emulated", "joblib", [])
+    declared = experiment_parts(experiment)
+    assert [p["part"] for p in parts] == ["grid", *declared]
+    assert "hydra.launcher.n_jobs=5" in parts[0]["overrides"]
+    for part in parts[1:]:
+        assert part["overrides"][-len(declared[part["part"]]) :] == declared[part["part"]] or (
+            part["overrides"][-1] == "hydra.launcher.n_jobs=1"
+        )
+        real_ddp = "parallel=ddp" in declared[part["part"]]
+        assert ("hydra.launcher.n_jobs=1" in part["overrides"]) == real_ddp, part
+
+
+def test_ddp_parts_are_left_out_when_the_grid_is_ddp():
+    parts = sweep.plan("bn_vs_syncbn", False, "ddp", "slurm", [])
+    assert [p["part"] for p in parts] == ["grid", "brn", "gn"]
+    assert not any("n_jobs" in o for p in parts for o in p["overrides"])  # not joblib
+
+
+def test_the_smoke_sweep_takes_its_overrides_and_parts_from_the_config():
+    config = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())["sweep"]["smoke"]
+    parts = sweep.plan("bn_vs_syncbn_mnist", True, "emulated", "slurm", ["trainer.seed=1"])
+    assert [p["part"] for p in parts] == ["grid", *config["parts"]]
+    grid = parts[0]["overrides"]
+    assert grid[-1] == "trainer.seed=1" and "trainer.seed=0" not in grid  # the user's wins
+    assert set(config["overrides"]) - {"trainer.seed=0"} <= set(grid)
+
+
+def test_unknown_experiment_or_launcher_is_one_line():
+    for args in (
+        ("nope", False, "emulated", "joblib", []),
+        ("bn_vs_syncbn", False, "emulated", "x", []),
+    ):
+        with pytest.raises(UserError) as e:
+            sweep.plan(*args)
+        assert "\n" not in str(e.value)
+
+
+def test_scripts_sweep_defines_no_grid():
+    """No override (``key=value``) is written in scripts/sweep.py: the study is in YAML."""
+    tree = ast.parse((ROOT / "scripts" / "sweep.py").read_text())
+    overrides = [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and any(node.value.startswith(f"{group}=") or node.value.startswith(f"{group}.")
+                for group in ("bn", "parallel", "trainer", "data", "model"))
+    ]  # fmt: skip
+    assert overrides == []
+    assert CONFIG_DIR  # the experiments are composed from configs/, as train.py does
