@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 from syncbn_lab.nn import BatchNorm, SyncBatchNorm, ops
+from syncbn_lab.parallel.gloo_jobs import run_distributed
 from syncbn_lab.provenance import write_json
-from syncbn_lab.testing import run_distributed
 
 SHAPES = [(64, 64, 32, 32), (32, 256, 8, 8)]
 LAYOUTS = {"NCHW": torch.contiguous_format, "channels_last": torch.channels_last}

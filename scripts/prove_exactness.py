@@ -32,10 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from syncbn_lab.provenance import provenance
-from syncbn_lab.testing import run_difference, train_cli
+from syncbn_lab.run_compare import run_difference, train_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "reports" / "exactness"
+TRAIN = ROOT / "scripts" / "train.py"
 TOLERANCE = 1e-9  # fp64 pairs: worst relative difference allowed
 MARGIN = 3.0  # fp32 pairs: allowed multiple of the float32 noise floor (chaos varies)
 
@@ -113,7 +114,7 @@ def measure(steps: int, jobs: int, workdir: Path) -> list[dict]:
 
     def one(item):
         overrides, run_dir = item
-        train_cli(list(overrides), run_dir)
+        train_cli(TRAIN, list(overrides), run_dir)
         print(f"  done: {' '.join(overrides[2:])}", flush=True)
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:

@@ -148,7 +148,16 @@ def _work(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[
     exit_code = 1
     try:
         trainer = Trainer(
-            cfg, rt, parallel.model, model, optimizer, loaders, logger, run_dir, parallel.bn_buffers
+            cfg,
+            rt,
+            parallel.model,
+            model,
+            optimizer,
+            loaders,
+            logger,
+            run_dir,
+            parallel.bn_buffers,
+            parallel.model_loss,
         )
         if t.resume:
             path = checkpoint.resolve(t.resume)

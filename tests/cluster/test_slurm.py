@@ -21,7 +21,7 @@ import pytest
 from conftest import ROOT, TINY
 
 from syncbn_lab.config import PRECISIONS
-from syncbn_lab.testing import free_port, load_function
+from syncbn_lab.parallel.gloo_jobs import free_port, load_function
 
 pytestmark = pytest.mark.cluster
 
@@ -113,9 +113,9 @@ def test_a_multirun_runs_as_slurm_jobs_with_the_outputs_of_local_runs(slurm_env,
 def test_failed_jobs_on_the_cluster_are_reported_and_the_others_finish(slurm_env, tmp_path):
     sweep_dir = tmp_path / "sweep"
     try:
-        from syncbn_lab.testing import fault_override
+        from syncbn_lab.faults import fault_override
     except ImportError:
-        pytest.skip("syncbn_lab.testing has no fault_override (rank-failure injection)")
+        pytest.skip("syncbn_lab.faults has no fault_override (rank-failure injection)")
     # devices=3 does not divide the global batch of 32 (a bad override); under DDP rank 1
     # raises at step 2 (the emulated jobs have no rank 1)
     fault = fault_override("raise", rank=1, step=2)
@@ -313,7 +313,7 @@ def test_a_requeued_job_resumes_from_its_checkpoint_and_ends_bitwise_equal(slurm
     import torch
 
     from syncbn_lab.engine import checkpoint
-    from syncbn_lab.testing import fault_override
+    from syncbn_lab.faults import fault_override
 
     long = [*TINY, "trainer.epochs=10", "trainer.threads=1", "trainer.precision=fp32"]
     sweep_dir = tmp_path / "sweep"

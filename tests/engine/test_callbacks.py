@@ -1,12 +1,12 @@
 """trainer.callbacks: Hydra nodes instantiated in every process and called after each
-optimizer step; syncbn_lab.testing.Fault is the one tests use to make a rank fail."""
+optimizer step; syncbn_lab.faults.Fault is the one tests use to make a rank fail."""
 
 import json
 
 import pytest
 
 from syncbn_lab.errors import ConfigError
-from syncbn_lab.testing import Fault, fault_override
+from syncbn_lab.faults import Fault, fault_override
 from syncbn_lab.train import run
 
 
@@ -31,7 +31,7 @@ def test_an_unknown_fault_action_is_refused():
 
 
 def test_a_callback_that_cannot_be_imported_fails_validation(tmp_path, tiny_cfg):
-    cfg = tiny_cfg("trainer.callbacks=[{_target_:syncbn_lab.testing.NoSuchThing}]")
-    with pytest.raises(ConfigError, match="syncbn_lab.testing.NoSuchThing"):
+    cfg = tiny_cfg("trainer.callbacks=[{_target_:syncbn_lab.faults.NoSuchThing}]")
+    with pytest.raises(ConfigError, match="syncbn_lab.faults.NoSuchThing"):
         run(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()

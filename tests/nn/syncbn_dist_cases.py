@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from helpers import error_ratio, torch_batchnorm_class
 
 from syncbn_lab.nn import SyncBatchNorm
-from syncbn_lab.testing import error_ratio, torch_batchnorm_class
 
 CHANNELS = 3
 SPATIAL = (5, 4)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import error_ratio, torch_batchnorm_class
 
 from syncbn_lab.nn import LocalCommunicator, batch_norm
 from syncbn_lab.nn.functional import _backend
-from syncbn_lab.testing import error_ratio, torch_batchnorm_class
 
 C = 3
 

@@ -1,4 +1,5 @@
-"""syncbn_lab.testing.run_distributed: results by rank, and failures fail fast, never hang."""
+"""syncbn_lab.parallel.gloo_jobs.run_distributed: results by rank, and failures fail fast,
+never hang."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from syncbn_lab.testing import DistributedJobError, run_distributed
+from syncbn_lab.parallel.gloo_jobs import DistributedJobError, run_distributed
 
 CASES = Path(__file__).with_name("syncbn_dist_cases.py")
 

@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import error_ratio, torch_batchnorm_class
 from torch import nn
 
 from syncbn_lab.nn import BatchNorm, LocalCommunicator, SyncBatchNorm, _ext, ops
 from syncbn_lab.nn import functional as F
-from syncbn_lab.testing import error_ratio, load_function, run_distributed, torch_batchnorm_class
+from syncbn_lab.parallel.gloo_jobs import load_function, run_distributed
 
 C = 3
 KERNELS = ("batch_norm_train", "local_stats", "forward_elemt", "backward_reduce", "backward_elemt")

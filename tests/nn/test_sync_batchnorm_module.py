@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import error_ratio, torch_batchnorm_class
 
 from syncbn_lab.nn import BatchNorm, LocalCommunicator, SyncBatchNorm
 from syncbn_lab.nn.sync_batchnorm import TORCH_BN_TAKES_BIAS
-from syncbn_lab.testing import error_ratio, torch_batchnorm_class
 
 C = 4
 

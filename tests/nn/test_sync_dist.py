@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from syncbn_lab.testing import run_distributed
+from syncbn_lab.parallel.gloo_jobs import run_distributed
 
 CASES = f"{Path(__file__).with_name('syncbn_dist_cases.py')}:run_all"
 WORLD_SIZES = (2, 3, 4)

@@ -12,8 +12,8 @@ from conftest import ROOT, TINY, compose_config
 from parallel_helpers import alive, processes_with_env
 
 from syncbn_lab.errors import ConfigError
+from syncbn_lab.faults import fault_override
 from syncbn_lab.parallel.ddp import GRACE_S, RankFailed
-from syncbn_lab.testing import fault_override
 from syncbn_lab.train import run
 
 TRAIN = str(ROOT / "scripts" / "train.py")

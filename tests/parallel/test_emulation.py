@@ -19,8 +19,9 @@ from syncbn_lab.engine.precise_bn import update_bn_stats
 from syncbn_lab.logging import NullLogger
 from syncbn_lab.nn.registry import norm_layer
 from syncbn_lab.parallel import Runtime, parallelize
-from syncbn_lab.parallel.dp import LossInModule, data_parallel, loss_and_counts
+from syncbn_lab.parallel.dp import LossInModule, loss_and_counts
 from syncbn_lab.parallel.emulated import EmulatedDevices
+from syncbn_lab.parallel.modes import MODES
 from syncbn_lab.train import run
 
 BN = OmegaConf.create({"name": "bn", "eps": 1e-5, "momentum": 0.1})
@@ -47,13 +48,14 @@ def data(n, dtype=torch.float32, seed=1):
     return torch.randn(n, 1, 8, 8, generator=g, dtype=dtype), torch.randint(0, 4, (n,), generator=g)
 
 
-def trainer_for(cfg, model, wrapped=None, tmp_path=None):
+def trainer_for(cfg, model, wrapped=None, tmp_path=None, model_loss=None):
     """A Trainer around ``model`` (train_step only: no loaders, no logger)."""
     loaders = Loaders(train=[None] * 8, val=[], test=[])
     optimizer = build_optimizer(cfg.optim, model)
     return Trainer(
-        cfg, Runtime(), wrapped or model, model, optimizer, loaders, NullLogger(), tmp_path
-    )
+        cfg, Runtime(), wrapped or model, model, optimizer, loaders, NullLogger(), tmp_path,
+        model_loss=model_loss,
+    )  # fmt: skip
 
 
 # -- emulated SyncBN is BatchNorm over the global batch, for every N --------------------------
@@ -284,13 +286,21 @@ def test_loss_in_module_gathers_scalars_and_keeps_the_global_mean():
 
 def test_trainer_with_loss_in_module_takes_the_same_step():
     images, labels = data(16, dtype=torch.float64)
-    cfg = compose_config([*TINY, "bn=gn", "bn.groups=2"])
     updates = []
     for loss_in_module in (False, True):
+        cfg = compose_config(
+            [
+                *TINY,
+                "bn=gn",
+                "bn.groups=2",
+                "parallel=dp",
+                f"parallel.loss_in_module={loss_in_module}",
+            ]
+        )
         model = resnet(GN, dtype=torch.float64)
-        wrapped = data_parallel(model, 2, loss_in_module) if loss_in_module else model
-        trainer = trainer_for(cfg, model, wrapped)
-        assert trainer.loss_in_model is loss_in_module
+        parallel = MODES["dp"].wrap(model, cfg, Runtime())  # what the mode hands the loop
+        assert (parallel.model_loss is not None) is loss_in_module
+        trainer = trainer_for(cfg, model, parallel.model, model_loss=parallel.model_loss)
         totals = trainer.train_step([(images, labels)])
         updates.append((torch.cat([p.detach().flatten() for p in model.parameters()]), totals))
     torch.testing.assert_close(updates[1][0], updates[0][0])

@@ -8,7 +8,7 @@ import re
 import pytest
 from conftest import ROOT
 
-from syncbn_lab.testing import run_difference, train_cli
+from syncbn_lab.run_compare import run_difference, train_cli
 
 REPORT = ROOT / "reports" / "exactness"
 FP64_PAIRS = {
@@ -95,8 +95,11 @@ SLICE = [
 )
 def test_fp64_emulation_equals_real_ddp_through_the_cli(tmp_path, overrides):
     emulated = ["parallel=emulated", "parallel.devices=2"]
-    emulated = train_cli([*SLICE, *overrides, *emulated], tmp_path / "e")
-    ddp = train_cli([*SLICE, *overrides, "parallel=ddp", "parallel.devices=2"], tmp_path / "d")
+    train = ROOT / "scripts" / "train.py"
+    emulated = train_cli(train, [*SLICE, *overrides, *emulated], tmp_path / "e")
+    ddp = train_cli(
+        train, [*SLICE, *overrides, "parallel=ddp", "parallel.devices=2"], tmp_path / "d"
+    )
     diff = run_difference(emulated, ddp)
     assert len(diff["loss_by_step"]) == 5
     assert diff["worst"] <= 1e-9, diff

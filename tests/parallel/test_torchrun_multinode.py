@@ -14,7 +14,7 @@ from conftest import ROOT, TINY, compose_config
 from parallel_helpers import processes_with_env, step_losses
 
 from syncbn_lab.config import PRECISIONS
-from syncbn_lab.testing import free_port
+from syncbn_lab.parallel.gloo_jobs import free_port
 from syncbn_lab.train import run
 
 TORCHRUN = ROOT / ".venv" / "bin" / "torchrun"

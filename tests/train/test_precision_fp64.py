@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from syncbn_lab.data import InMemoryImageDataset
 from syncbn_lab.engine import checkpoint
-from syncbn_lab.testing import run_difference
+from syncbn_lab.run_compare import run_difference
 from syncbn_lab.train import run
 
 FP64 = ("trainer.precision=fp64", "trainer.max_steps=4")

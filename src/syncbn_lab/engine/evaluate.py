@@ -9,8 +9,8 @@ from torch.utils.data import DataLoader
 
 from syncbn_lab.engine.compute import to_device
 from syncbn_lab.engine.precision import autocast
+from syncbn_lab.loss import at_least_fp32
 from syncbn_lab.parallel.context import Runtime
-from syncbn_lab.parallel.dp import at_least_fp32
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,9 @@ from syncbn_lab.engine.optim import lr_factor
 from syncbn_lab.engine.precise_bn import update_bn_stats
 from syncbn_lab.engine.precision import autocast
 from syncbn_lab.errors import Diverged, Preempted
+from syncbn_lab.loss import at_least_fp32
 from syncbn_lab.parallel.bn_buffers import BNBuffers
 from syncbn_lab.parallel.context import Runtime
-from syncbn_lab.parallel.dp import at_least_fp32, loss_and_counts
 from syncbn_lab.traffic import TRAFFIC
 
 
@@ -78,6 +79,7 @@ class Trainer:
         logger,
         run_dir: Path,
         bn_buffers: BNBuffers | None = None,
+        model_loss: Callable | None = None,
     ):
         self.cfg, self.rt = cfg, rt
         self.module = model_without_ddp
@@ -87,7 +89,7 @@ class Trainer:
         self.optimizer, self.loaders, self.logger = optimizer, loaders, logger
         self.run_dir = run_dir
         self.bn_buffers = bn_buffers if bn_buffers is not None else BNBuffers()
-        self.loss_in_model = bool(getattr(model, "computes_loss", False))
+        self.model_loss = model_loss  # the wrapped model computes the loss (Parallel's)
         self.no_sync = _no_sync(model)  # the wrapped model's, compiled or not
         self.device_stats = getattr(model, "device_stats", [])  # emulated devices 1..N-1
         self.callbacks = _instantiate_callbacks(cfg.trainer.get("callbacks"))
@@ -247,8 +249,8 @@ class Trainer:
     def forward_loss(self, images: torch.Tensor, labels: torch.Tensor):
         """(mean loss over these samples, correct, count); the loss may be computed inside
         the model's replicas (parallel=dp with parallel.loss_in_module)."""
-        if self.loss_in_model:
-            return loss_and_counts(self.model(images, labels))
+        if self.model_loss is not None:
+            return self.model_loss(self.model, images, labels)
         try:
             logits = self.model(images)
         except Exception as e:
@@ -423,7 +425,7 @@ def step_counts(trainer_cfg: DictConfig, train_batches: int) -> tuple[int, int]:
 def _instantiate_callbacks(nodes) -> list:
     """trainer.callbacks: Hydra ``_target_`` nodes, each instantiated once per process into a
     callable run as ``callback(trainer)`` after every optimizer step (``trainer.state.step``
-    and ``trainer.rt.rank`` say where it is). ``syncbn_lab.testing.Fault`` is one."""
+    and ``trainer.rt.rank`` say where it is). ``syncbn_lab.faults.Fault`` is one."""
     if not nodes:
         return []
     from hydra.utils import instantiate

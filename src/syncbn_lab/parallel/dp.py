@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from syncbn_lab.loss import at_least_fp32
+
 
 class LossInModule(nn.Module):
     """model + cross-entropy: returns ``[[loss sum, correct, count]]`` (shape 1 x 3) for the
     samples it was given; DataParallel gathers these into N x 3 and the caller sums them."""
-
-    computes_loss = True
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -36,19 +36,21 @@ class LossInModule(nn.Module):
         return torch.stack([loss_sum, correct, count]).unsqueeze(0)
 
 
-def at_least_fp32(logits: Tensor) -> Tensor:
-    """Half-precision logits in float32 for the loss; float32 and float64 as they are."""
-    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-
-
 def loss_and_counts(outputs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Gathered N x 3 outputs of LossInModule -> (mean loss over all samples, correct, count)."""
     loss_sum, correct, count = outputs.sum(0)
     return loss_sum / count, correct.detach(), count.detach()
 
 
+def forward_loss_in_module(
+    model: nn.Module, images: Tensor, labels: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The training step's (mean loss, correct, count) of a DataParallel-wrapped
+    LossInModule: the replicas compute the loss, the gathered rows are summed."""
+    return loss_and_counts(model(images, labels))
+
+
 def data_parallel(model: nn.Module, devices: int, loss_in_module: bool) -> nn.Module:
+    """``model`` (or model + loss, :class:`LossInModule`) replicated over cuda:0..N-1."""
     module = LossInModule(model) if loss_in_module else model
-    wrapped = nn.DataParallel(module, device_ids=list(range(devices)))
-    wrapped.computes_loss = loss_in_module
-    return wrapped
+    return nn.DataParallel(module, device_ids=list(range(devices)))

@@ -161,11 +161,13 @@ class _DataParallel(ParallelMode):
         return Runtime(device=torch.device("cuda", 0), slices_per_process=shape.slices_per_process)
 
     def wrap(self, model, cfg, rt):
-        from syncbn_lab.parallel.dp import data_parallel
+        from syncbn_lab.parallel.dp import data_parallel, forward_loss_in_module
 
         p = cfg.parallel
         wrapped = data_parallel(model, p.devices, p.loss_in_module)
-        return Parallel(wrapped, model, loss_in_model=p.loss_in_module)
+        return Parallel(
+            wrapped, model, model_loss=forward_loss_in_module if p.loss_in_module else None
+        )
 
 
 class _DDP(ParallelMode):

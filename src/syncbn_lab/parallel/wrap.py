@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -18,6 +19,6 @@ class Parallel:
     model: nn.Module
     module: nn.Module
     bn_buffers: BNBuffers = field(default_factory=BNBuffers)
-    loss_in_model: bool = False
-    """``model(images, labels)`` returns the gathered [loss sum, correct, count] rows
-    (``parallel.dp.LossInModule``) instead of logits."""
+    model_loss: Callable | None = None
+    """``model_loss(model, images, labels) -> (mean loss, correct, count)`` when the wrapped
+    model computes the loss itself (``parallel.dp.LossInModule``); None: it returns logits."""
