@@ -29,7 +29,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from syncbn_lab.nn import functional as F
-from syncbn_lab.nn.functional import _SliceShape
+from syncbn_lab.nn.functional import SliceShape
 from syncbn_lab.nn.sync_batchnorm import BatchNorm
 
 __all__ = ["BatchRenorm", "batch_renorm", "renorm_limits"]
@@ -73,7 +73,7 @@ def batch_renorm(
         raise ValueError("Batch Renormalization needs running_mean and running_var")
     if not isinstance(rmax, Tensor) and (rmax < 1 or dmax < 0):  # tensors: from the module
         raise ValueError(f"Batch Renormalization needs rmax >= 1 and dmax >= 0, got {rmax}, {dmax}")
-    F._check_args(
+    F.check_args(
         x, weight, bias, running_mean, running_var, training=True, momentum=momentum,
         num_batches_tracked=num_batches_tracked, devices=devices, comm=None, group_size=None,
     )  # fmt: skip
@@ -99,8 +99,8 @@ class _BatchRenormFunction(torch.autograd.Function):
         dmax: float,
     ) -> Tensor:
         eps, running_mean, running_var = call.eps, call.running_mean, call.running_var
-        compute = torch.float32 if x.dtype in F._HALF_TYPES else x.dtype
-        shape = _SliceShape(x, call.devices)
+        compute = torch.float32 if x.dtype in F.HALF_TYPES else x.dtype
+        shape = SliceShape(x, call.devices)
         xs = shape.view(x)
         # No out= buffers (torch.compile cannot trace out= into channels_last views); the
         # operations and their dtypes are BatchNorm's (functional.py), so the values are too.
@@ -108,17 +108,17 @@ class _BatchRenormFunction(torch.autograd.Function):
         pivot = xs.sum(shape.reduce, dtype=compute) / max(shape.n, 1)
         t = xs - shape.per_slice(pivot, compute)  # t = x - K, in the compute dtype
         sum_t2 = (t * t).sum(shape.reduce)
-        slice_mean, slice_m2 = F._slice_moments(pivot, t.sum(shape.reduce), sum_t2, shape.n)
+        slice_mean, slice_m2 = F.slice_moments(pivot, t.sum(shape.reduce), sum_t2, shape.n)
         mu = running_mean.detach().double().clone()  # the running statistics before the update
         sigma = torch.sqrt(running_var.detach().double() + eps)  # sigma = sqrt(running_var + eps)
-        mean, var, m = F._global_moments(slice_mean, slice_m2, shape.n, call)  # + running update
+        mean, var, m = F.global_moments(slice_mean, slice_m2, shape.n, call)  # + running update
 
         invstd = torch.rsqrt(var + eps)  # 1/sigma_B, (D, C) float64
         r = (torch.sqrt(var + eps) / sigma).clamp(1 / rmax, rmax)  # r = clip(sigma_B/sigma)
         d = ((mean - mu) / sigma).clamp(-dmax, dmax)  # d = clip((mu_B - mu)/sigma)
         offset = mean - pivot.double()
         # xhat = (x - mu_B) / sigma_B = t * invstd - (mu_B - K) * invstd
-        xhat = F._scale_shift(
+        xhat = F.scale_shift(
             None, t, shape.per_slice(invstd, compute), shape.per_slice(-offset * invstd, compute)
         )
         gamma = weight.double().unsqueeze(0) if weight is not None else 1.0
@@ -126,7 +126,7 @@ class _BatchRenormFunction(torch.autograd.Function):
         scale, shift = gamma * r, gamma * d + beta  # y = (gamma*r) * xhat + (gamma*d + beta)
         y = torch.empty_like(x)  # not a view of a tensor made here: a ReLU may work in place
         shape.view(y).copy_(  # rounded once to fp16/bf16
-            F._scale_shift(
+            F.scale_shift(
                 None, xhat, shape.per_slice(scale, compute), shape.per_slice(shift, compute)
             )
         )
@@ -142,7 +142,7 @@ class _BatchRenormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_y: Tensor):
         xhat, weight = ctx.saved_tensors
-        shape: _SliceShape = ctx.shape
+        shape: SliceShape = ctx.shape
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
         dy = shape.view(grad_y)
         xhat_s = shape.view(xhat)
@@ -158,10 +158,8 @@ class _BatchRenormFunction(torch.autograd.Function):
             return None, grad_weight, grad_bias, *_NO_GRADS
         gamma = weight.to(xhat.dtype).unsqueeze(0) if weight is not None else 1.0
         scale = ctx.invstd_r * gamma  # gamma * r / sigma_B, (D, C)
-        m = max(ctx.count, 1)
-        # dx = gamma*r/sigma_B/m * (m*dy - Σdy - xhat*Σdy·xhat), as BN's with scale*r
-        dx = F._scale_shift(None, dy, shape.per_slice(scale), shape.per_slice(-scale * sum_dy / m))
-        dx.addcmul_(xhat_s, shape.per_slice(-scale * sum_dy_xhat / m))
+        # BatchNorm's dx with scale gamma*r/sigma_B: r is a constant of the backward
+        dx = F.input_grad(dy, xhat_s, scale, sum_dy, sum_dy_xhat, ctx.count, shape)
         grad_x = dx.to(ctx.input_dtype).reshape(ctx.input_shape)  # a view: autograd's own
         return grad_x, grad_weight, grad_bias, *_NO_GRADS
 

@@ -16,7 +16,7 @@ the communicator differs.
 Two implementations share everything but the per-slice arithmetic (see :func:`_backend`):
 the reference below (plain torch ops, hand-written backward) and the fused kernels of
 ``syncbn_lab._C`` (:mod:`syncbn_lab.nn.ops`). Both reduce the same payload through the same
-functions (:func:`_global_moments`, :func:`_reduce_grad_sums`), so a fused emulated run and a
+functions (:func:`global_moments`, :func:`_reduce_grad_sums`), so a fused emulated run and a
 fused DDP run still differ only in the communicator.
 
 Notation used in comments (per channel): n = values per slice, m = values that share the
@@ -39,7 +39,19 @@ from syncbn_lab.errors import warn_one_line
 from syncbn_lab.nn import _ext, ops
 from syncbn_lab.nn.comm import Communicator
 
-__all__ = ["IMPLS", "BatchNormCall", "batch_norm", "fused_unavailable_reason"]
+__all__ = [
+    "HALF_TYPES",
+    "IMPLS",
+    "BatchNormCall",
+    "SliceShape",
+    "batch_norm",
+    "check_args",
+    "fused_unavailable_reason",
+    "global_moments",
+    "input_grad",
+    "scale_shift",
+    "slice_moments",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -48,7 +60,7 @@ IMPLS = ("auto", "reference", "fused")
 kernels of syncbn_lab._C in training (eval keeps the reference); "auto" = fused where the
 extension is built and supports the input, else the reference (says which once)."""
 
-_HALF_TYPES = (torch.float16, torch.bfloat16)
+HALF_TYPES = (torch.float16, torch.bfloat16)
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 _FUSED_MEAN_LIMIT = 16.0
@@ -118,7 +130,7 @@ def batch_norm(
         ValueError: bad shapes (before any collective), or one value per channel in training
             (decided after the all_reduce, so every rank raises together).
     """
-    groups_of = _check_args(
+    groups_of = check_args(
         x,
         weight,
         bias,
@@ -234,7 +246,7 @@ def _fused_batch_norm(call: BatchNormCall) -> Tensor:
     _, mean, m2 = ops.local_stats(x.detach(), devices)  # per slice, float32 (fp64 for fp64)
     if x.dtype != torch.float64 and not torch.compiler.is_compiling():
         # This process's part of each group: its slices' mean |mu_d| and mean variance.
-        groups, n = devices // group_size, _SliceShape(x, devices).n
+        groups, n = devices // group_size, SliceShape(x, devices).n
         mean_abs = mean.abs().view(groups, group_size, -1).mean(1)
         var = m2.view(groups, group_size, -1).sum(1) / max(n * group_size, 1)
         if _fused_mean_too_coarse(mean_abs, torch.rsqrt(var + call.eps), x.dtype):
@@ -262,7 +274,7 @@ def _fused_single_op(call: BatchNormCall) -> Tensor:
     """Every slice normalised with its own statistics by one op, no communication."""
     x, devices, momentum = call.x, call.devices, call.momentum
     running_mean, running_var = call.running_mean, call.running_var
-    m = _SliceShape(x, devices).n  # values per slice, each its own group
+    m = SliceShape(x, devices).n  # values per slice, each its own group
     _check_count(m, x, devices, call.comm)
     out = ops.batch_norm_train(x, call.weight, call.bias, devices, 1, call.eps)
     track = running_mean is not None and m > 0  # slice 0's statistics, as device 0's buffers
@@ -298,7 +310,7 @@ def _reference_batch_norm(call: BatchNormCall) -> Tensor:
     return _BatchNormFunction.apply(call.x, call.weight, call.bias, call)
 
 
-def _check_args(
+def check_args(
     x: Tensor,
     weight: Tensor | None,
     bias: Tensor | None,
@@ -371,10 +383,10 @@ class _BatchNormFunction(torch.autograd.Function):
             call.group_size,
             call.comm,
         )
-        compute = torch.float32 if x.dtype in _HALF_TYPES else x.dtype
+        compute = torch.float32 if x.dtype in HALF_TYPES else x.dtype
         if not training:
             devices = group_size = 1  # running statistics are the same for every slice
-        shape = _SliceShape(x, devices)
+        shape = SliceShape(x, devices)
         xs = shape.view(x)
         xhat = torch.empty_like(x, dtype=compute)  # holds t = x - K first, then xhat in place
         t = shape.view(xhat)
@@ -388,8 +400,8 @@ class _BatchNormFunction(torch.autograd.Function):
             torch.sub(xs, shape.per_slice(pivot), out=t)  # t = x - K
             sum_t = t.sum(shape.reduce)  # sum(t)
             sum_t2 = torch.mul(t, t, out=scratch).sum(shape.reduce)  # sum(t^2)
-            mean, m2 = _slice_moments(pivot, sum_t, sum_t2, shape.n)
-            mean, var, m = _global_moments(mean, m2, shape.n, call)
+            mean, m2 = slice_moments(pivot, sum_t, sum_t2, shape.n)
+            mean, var, m = global_moments(mean, m2, shape.n, call)
         else:
             pivot = running_mean.to(compute).unsqueeze(0)  # K = running mean: t = x - mu
             torch.sub(xs, shape.per_slice(pivot), out=t)
@@ -399,12 +411,12 @@ class _BatchNormFunction(torch.autograd.Function):
         invstd = torch.rsqrt(var + call.eps)  # 1/sqrt(var + eps), float64 (D, C)
         offset = mean - pivot.double()  # mu - K, small: t - (mu - K) = x - mu, no cancellation
         # xhat = (x - mu) * invstd = t * invstd - (mu - K) * invstd, in place over t
-        _scale_shift(
+        scale_shift(
             t, t, shape.per_slice(invstd, compute), shape.per_slice(-offset * invstd, compute)
         )
         gamma = shape.per_slice(weight[None]) if weight is not None else None
         beta = shape.per_slice(bias[None]) if bias is not None else None
-        _scale_shift(scratch, t, gamma, beta)  # y = gamma * xhat + beta
+        scale_shift(scratch, t, gamma, beta)  # y = gamma * xhat + beta
         if scratch.data_ptr() != y.data_ptr():
             y.copy_(scratch.view_as(y))  # rounded once to fp16/bf16
 
@@ -419,7 +431,7 @@ class _BatchNormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_y: Tensor):
         xhat, weight = ctx.saved_tensors
-        shape: _SliceShape = ctx.shape
+        shape: SliceShape = ctx.shape
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
         dy = shape.view(grad_y)
         xhat_s = shape.view(xhat)
@@ -438,13 +450,9 @@ class _BatchNormFunction(torch.autograd.Function):
         scale = ctx.invstd * gamma  # gamma * invstd, (D, C)
         if ctx.training:
             sum_dy, sum_dy_xhat = _reduce_grad_sums(sum_dy, sum_dy_xhat, ctx.group_size, ctx.comm)
-            m = max(ctx.count, 1)
-            # dx = gamma*invstd/m * (m*dy - sum(dy) - xhat*sum(dy*xhat)), evaluated as
-            # dx = scale*dy - scale*sum(dy)/m - xhat * scale*sum(dy*xhat)/m, scale = gamma*invstd
-            _scale_shift(dx, dy, shape.per_slice(scale), shape.per_slice(-scale * sum_dy / m))
-            dx.addcmul_(xhat_s, shape.per_slice(-scale * sum_dy_xhat / m))
+            input_grad(dy, xhat_s, scale, sum_dy, sum_dy_xhat, ctx.count, shape, out=dx)
         else:
-            _scale_shift(dx, dy, shape.per_slice(scale), None)  # eval: statistics are constants
+            scale_shift(dx, dy, shape.per_slice(scale), None)  # eval: statistics are constants
         if grad_x.dtype != ctx.input_dtype:
             grad_x = grad_x.to(ctx.input_dtype)
         return grad_x, grad_weight, grad_bias, None  # the call takes no gradient
@@ -453,7 +461,7 @@ class _BatchNormFunction(torch.autograd.Function):
 class _FusedBatchNormFunction(torch.autograd.Function):
     """SyncBN (or BN over groups of slices) on the fused kernels around the shared reduction.
 
-    Forward: the slices' (mean, M2) from ``ops.local_stats`` -> :func:`_global_moments` (the
+    Forward: the slices' (mean, M2) from ``ops.local_stats`` -> :func:`global_moments` (the
     reference's payload and its one all_reduce) -> ``ops.forward_elemt``. Backward:
     ``ops.backward_reduce`` per slice -> :func:`_reduce_grad_sums` (the one all_reduce) ->
     ``ops.backward_elemt``. Statistics go to the kernels as (D, C) rows, one per slice.
@@ -469,8 +477,8 @@ class _FusedBatchNormFunction(torch.autograd.Function):
         slice_mean: Tensor,
         slice_m2: Tensor,
     ) -> Tensor:
-        n = _SliceShape(x, call.devices).n
-        mean, var, m = _global_moments(slice_mean.double(), slice_m2.double(), n, call)
+        n = SliceShape(x, call.devices).n
+        mean, var, m = global_moments(slice_mean.double(), slice_m2.double(), n, call)
         stats_dtype = slice_mean.dtype  # the kernels' float32 (float64 for float64 input)
         invstd = torch.rsqrt(var + call.eps).to(stats_dtype)
         mean = mean.to(stats_dtype)
@@ -498,7 +506,7 @@ class _FusedBatchNormFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None, None  # call, slice_mean, slice_m2
 
 
-class _SliceShape:
+class SliceShape:
     """How (N, C, *spatial) is seen as (D, N/D, C, *spatial): views and broadcast shapes."""
 
     def __init__(self, x: Tensor, devices: int) -> None:
@@ -519,7 +527,7 @@ class _SliceShape:
         return stat.reshape(stat.shape[0], 1, self.channels, *([1] * len(self.spatial)))
 
 
-def _slice_moments(pivot: Tensor, sum_t: Tensor, sum_t2: Tensor, n: int) -> tuple[Tensor, Tensor]:
+def slice_moments(pivot: Tensor, sum_t: Tensor, sum_t2: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """Per-slice mean and M2 = sum((x - mean)^2) in float64 from sums of t = x - K.
 
     K is the slice's own (rounded) mean, so t is centred and sum(t^2) has no cancellation;
@@ -549,7 +557,7 @@ def _per_slice(per_group: Tensor, group_size: int) -> Tensor:
     return per_group if group_size == 1 else per_group.repeat_interleave(group_size, dim=0)
 
 
-def _global_moments(
+def global_moments(
     mean: Tensor, m2: Tensor, n: int, call: BatchNormCall
 ) -> tuple[Tensor, Tensor, int]:
     """Slices' float64 mean and M2 (D, C) of n values each -> each slice's group mean and
@@ -620,7 +628,32 @@ def _update_running_stats(
     running_var.lerp_(unbiased_var.to(running_var.dtype), factor)
 
 
-def _scale_shift(
+def input_grad(
+    dy: Tensor,
+    xhat: Tensor,
+    scale: Tensor,
+    sum_dy: Tensor,
+    sum_dy_xhat: Tensor,
+    count: int,
+    shape: SliceShape,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Training-mode BatchNorm's gradient of the input, per slice (``dy``, ``xhat`` and
+    ``out`` in ``shape``'s (D, N/D, C, ...) view; ``scale`` and the sums (D, C)):
+
+        dx = scale/m * (m*dy - sum(dy) - xhat*sum(dy*xhat)), evaluated as
+        dx = scale*dy - scale*sum(dy)/m - xhat * scale*sum(dy*xhat)/m
+
+    with ``scale`` = gamma * invstd and ``m`` = ``count`` values per channel. Batch
+    Renormalization's is the same with scale = gamma * r / sigma_B (docs/batchnorm.md §9).
+    Returns ``out``, a new tensor when it is None."""
+    m = max(count, 1)
+    dx = scale_shift(out, dy, shape.per_slice(scale), shape.per_slice(-scale * sum_dy / m))
+    dx.addcmul_(xhat, shape.per_slice(-scale * sum_dy_xhat / m))
+    return dx
+
+
+def scale_shift(
     out: Tensor | None, t: Tensor, scale: Tensor | None, shift: Tensor | None
 ) -> Tensor:
     """out = t * scale + shift with per-channel scale and shift (``None``: 1 and 0); returns
