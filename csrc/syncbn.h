@@ -140,6 +140,36 @@ inline at::Tensor optional_param(const std::optional<at::Tensor>& p, const at::T
   return stat_as(*p, x, acc);
 }
 
+// Inputs of the elementwise/backward ops (forward_elemt, backward_reduce, backward_elemt,
+// batch_norm_train_backward) after their checks: x and its statistics and parameters in one
+// layout and the accumulation dtype. Shared by the CPU and CUDA kernels (cuda/syncbn.cu
+// checks the device first).
+struct Prepared {
+  Geometry g;
+  Layout layout = Layout::ChannelsFirst;
+  at::Tensor x, mean, invstd, weight, bias;
+  at::ScalarType acc = at::kFloat;
+};
+
+inline Prepared prepare(const at::Tensor& x_in, const at::Tensor& mean, const at::Tensor& invstd,
+                        const std::optional<at::Tensor>& weight,
+                        const std::optional<at::Tensor>& bias, const char* op) {
+  check_floating(x_in, op);
+  Prepared p;
+  const int64_t slices = slices_of_stats(x_in, mean, "mean", op);
+  TORCH_CHECK(invstd.sizes() == mean.sizes(), "syncbn_lab::", op,
+              ": invstd must have the shape of mean ", mean.sizes(), ", got ", invstd.sizes());
+  p.g = geometry_of(x_in, slices, op);
+  p.layout = layout_of(x_in);
+  p.x = as_layout(x_in, p.layout);
+  p.acc = acc_dtype(x_in.scalar_type());
+  p.mean = stat_as(mean, x_in, p.acc);
+  p.invstd = stat_as(invstd, x_in, p.acc);
+  p.weight = optional_param(weight, x_in, p.acc, "weight", op);
+  p.bias = optional_param(bias, x_in, p.acc, "bias", op);
+  return p;
+}
+
 // Argument checks of update_running_stats (contract in syncbn.cpp), shared by its kernels;
 // returns mean, var and invstd as contiguous tensors in the statistics' acc dtype, on mean's
 // device.

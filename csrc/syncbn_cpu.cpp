@@ -444,33 +444,6 @@ void for_slice_pieces(int64_t begin, int64_t end, int64_t rows_per_slice, int64_
   }
 }
 
-// Inputs of the elementwise/backward ops after checks: x and friends in one layout.
-struct Prepared {
-  Geometry g;
-  Layout layout = Layout::ChannelsFirst;
-  Tensor x, mean, invstd, weight, bias;
-  at::ScalarType acc = at::kFloat;
-};
-
-Prepared prepare(const Tensor& x_in, const Tensor& mean, const Tensor& invstd,
-                 const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
-                 const char* op) {
-  check_floating(x_in, op);
-  Prepared p;
-  const int64_t slices = slices_of_stats(x_in, mean, "mean", op);
-  TORCH_CHECK(invstd.sizes() == mean.sizes(), "syncbn_lab::", op,
-              ": invstd must have the shape of mean ", mean.sizes(), ", got ", invstd.sizes());
-  p.g = geometry_of(x_in, slices, op);
-  p.layout = layout_of(x_in);
-  p.x = as_layout(x_in, p.layout);
-  p.acc = acc_dtype(x_in.scalar_type());
-  p.mean = stat_as(mean, x_in, p.acc);
-  p.invstd = stat_as(invstd, x_in, p.acc);
-  p.weight = optional_param(weight, x_in, p.acc, "weight", op);
-  p.bias = optional_param(bias, x_in, p.acc, "bias", op);
-  return p;
-}
-
 template <typename scalar_t, typename A>
 void forward_loops(const Prepared& p, const Coefficients<A>& k, Tensor& y) {
   const scalar_t* xp = p.x.const_data_ptr<scalar_t>();

@@ -43,6 +43,10 @@ def test_variant_names_are_spelled_in_at_most_two_files():
     assert len(found) <= 2, found
 
 
+def test_mode_names_are_spelled_only_by_the_modes():
+    assert set(files_spelling(set(MODES))) == {"parallel/modes.py"}
+
+
 def test_the_literal_scan_sees_a_name_compared(tmp_path):
     """The scan is what fails when a module compares a variant's name again."""
     module = SRC / "_scan_probe.py"

@@ -771,32 +771,13 @@ __global__ void grad_sums_rows_kernel(const T* __restrict__ dy, const T* __restr
   }
 }
 
-// Inputs of the elementwise/backward ops after checks, in one layout.
-struct Prepared {
-  Geometry g;
-  Layout layout = Layout::ChannelsFirst;
-  Tensor x, mean, invstd, weight, bias;
-  at::ScalarType acc = at::kFloat;
-};
-
+// prepare() (syncbn.h) for the CUDA kernels: x's dtype, then its device, then the rest.
 Prepared prepare(const Tensor& x_in, const Tensor& mean, const Tensor& invstd,
                  const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
                  const char* op) {
   check_floating(x_in, op);
   TORCH_CHECK(x_in.is_cuda(), "syncbn_lab::", op, ": expected a CUDA tensor");
-  Prepared p;
-  const int64_t slices = slices_of_stats(x_in, mean, "mean", op);
-  TORCH_CHECK(invstd.sizes() == mean.sizes(), "syncbn_lab::", op,
-              ": invstd must have the shape of mean ", mean.sizes(), ", got ", invstd.sizes());
-  p.g = geometry_of(x_in, slices, op);
-  p.layout = layout_of(x_in);
-  p.x = as_layout(x_in, p.layout);
-  p.acc = acc_dtype(x_in.scalar_type());
-  p.mean = stat_as(mean, x_in, p.acc);
-  p.invstd = stat_as(invstd, x_in, p.acc);
-  p.weight = optional_param(weight, x_in, p.acc, "weight", op);
-  p.bias = optional_param(bias, x_in, p.acc, "bias", op);
-  return p;
+  return syncbn_lab::prepare(x_in, mean, invstd, weight, bias, op);
 }
 
 template <typename A>
