@@ -95,6 +95,7 @@ def paired_section(study: Study) -> list[str]:
 
 
 def recovery_section(study: Study) -> list[str]:
+    """BN's loss at small per-device batches and what each remedy recovers of it."""
     rows = study.recovery_rows
     if not rows:
         return []
@@ -110,15 +111,17 @@ def recovery_section(study: Study) -> list[str]:
         "(pp) | p | vs bn (pp) | p | recovered |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in rows:
-        rec = "–" if math.isnan(row["recovered"]) else f"{100 * row['recovered']:.0f} %"
-        lines.append(
-            f"| {row['batch']} | {fmt_paired(row['bn_loss'])} | {fmt_p(row['bn_loss'].p)} | "
-            f"{row['variant']} | {fmt(*row['error'])} | {fmt_paired(row['vs_sync'])} | "
-            f"{fmt_p(row['vs_sync'].p)} | {fmt_paired(row['vs_bn'])} | "
-            f"{fmt_p(row['vs_bn'].p)} | {rec} |"
-        )
-    return lines
+    return lines + [_recovery_row(row) for row in rows]
+
+
+def _recovery_row(row: dict) -> str:
+    """One row of the recovery table (``Study.recovery_rows``' dict)."""
+    rec = "–" if math.isnan(row["recovered"]) else f"{100 * row['recovered']:.0f} %"
+    return _row(
+        row["batch"], fmt_paired(row["bn_loss"]), fmt_p(row["bn_loss"].p), row["variant"],
+        fmt(*row["error"]), fmt_paired(row["vs_sync"]), fmt_p(row["vs_sync"].p),
+        fmt_paired(row["vs_bn"]), fmt_p(row["vs_bn"].p), rec,
+    )  # fmt: skip
 
 
 def loss_table(study: Study) -> list[str]:
@@ -137,6 +140,7 @@ def loss_table(study: Study) -> list[str]:
 
 
 def cost_section(study: Study) -> list[str]:
+    """Step time and bytes per step under real DDP, per variant and rank count."""
     cells = group(study.ddp, GROUP, "devices")
     reference = {
         d: mean_std([r["step_time_s"] for r in m])[0]
@@ -162,21 +166,29 @@ def cost_section(study: Study) -> list[str]:
         step = mean_std([r["step_time_s"] for r in members])[0]
         ratio = f"{step / reference[d]:.2f}" if reference.get(d) else "–"
 
-        def per_step(key: str, members=members) -> str:
-            value = mean_std([r[key] for r in members])[0]
-            return "–" if math.isnan(value) else f"{value:,.0f}"
-
-        lines.append(
-            f"| {v} | {d} | {len(members)} | {1000 * step:.1f} | {ratio} | "
-            f"{per_step('comm_bytes_per_step')} | {per_step('comm_gradients_bytes_per_step')} "
-            f"| {per_step('comm_buffers_bytes_per_step')} | "
-            f"{per_step('comm_norm_statistics_bytes_per_step')} | "
-            f"{per_step('comm_calls_per_step')} |"
-        )
+        counts = [_per_step(members, f"comm_{kind}per_step") for kind in _COMM_COLUMNS]
+        lines.append(_row(v, d, len(members), f"{1000 * step:.1f}", ratio, *counts))
     return lines
 
 
+_COMM_COLUMNS = ("bytes_", "gradients_bytes_", "buffers_bytes_", "norm_statistics_bytes_", "calls_")
+"""The cost table's columns after the ratio: summary.json's comm_<kind>per_step."""
+
+
+def _per_step(members: list[Run], key: str) -> str:
+    """The mean of a per-step count over ``members``, with thousands separators."""
+    value = mean_std([r[key] for r in members])[0]
+    return "–" if math.isnan(value) else f"{value:,.0f}"
+
+
+def _row(*cells: object) -> str:
+    """One markdown table row."""
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
 def spot_check_section(study: Study) -> list[str]:
+    """Each real DDP run against its emulated twin, beside the float32 noise floor."""
+
     def cell(r: Run) -> tuple:
         return r[GROUP], r["devices"], r["seed"]
 
@@ -209,12 +221,10 @@ def spot_check_section(study: Study) -> list[str]:
         d_loss = r["train_loss"] - twin["train_loss"]
         e_ratio = _ratio(d_err, math.sqrt(2) * err.std) if err else "–"
         l_ratio = _ratio(d_loss, math.sqrt(2) * loss.std) if loss else "–"
-        lines.append(
-            f"| {r[GROUP]} | {r['devices']} | {r['seed']} | {r.test_error:.2f} | "
-            f"{twin.test_error:.2f} | {d_err:+.2f} | {e_ratio} | {r['train_loss']:.4f} | "
-            f"{twin['train_loss']:.4f} | {d_loss:+.4f} | {l_ratio} | "
-            f"{_first_loss_gap(r, twin)} |"
-        )
+        errors = (f"{r.test_error:.2f}", f"{twin.test_error:.2f}", f"{d_err:+.2f}", e_ratio)
+        losses = (f"{r['train_loss']:.4f}", f"{twin['train_loss']:.4f}", f"{d_loss:+.4f}")
+        gap = _first_loss_gap(r, twin)
+        lines.append(_row(r[GROUP], r["devices"], r["seed"], *errors, *losses, l_ratio, gap))
     return lines
 
 
