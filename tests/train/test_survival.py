@@ -16,8 +16,8 @@ from conftest import ROOT, TINY
 
 from syncbn_lab.engine import checkpoint, preemption
 from syncbn_lab.errors import Diverged, Preempted
-from syncbn_lab.multirun import ERROR_FILE, run_job
 from syncbn_lab.faults import fault_override
+from syncbn_lab.multirun import ERROR_FILE, run_job
 from syncbn_lab.train import run
 
 TRAIN = str(ROOT / "scripts" / "train.py")

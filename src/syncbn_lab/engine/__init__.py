@@ -1,6 +1,3 @@
-"""Training engine: the loop, evaluation, optimizers and schedules, checkpoints."""
-
-from syncbn_lab.engine.evaluate import evaluate
-from syncbn_lab.engine.loop import Loaders, Trainer
-
-__all__ = ["Loaders", "Trainer", "evaluate"]
+"""Training engine: the loop (engine.loop), evaluation, optimizers and schedules, checkpoints,
+preemption. The package imports none of them, so that parallel/ddp.py can use
+engine.preemption without loading the loop (which imports parallel/): no import cycle."""

@@ -133,9 +133,7 @@ def _run_torchrun_rank(
         _destroy_process_group()
 
 
-def _spawn_and_supervise(
-    cfg: DictConfig, shape: RunShape, worker, run_dir: Path
-) -> dict[str, Any]:
+def _spawn_and_supervise(cfg: DictConfig, shape: RunShape, worker, run_dir: Path) -> dict[str, Any]:
     p = cfg.parallel
     world_size = int(p.devices)
     ctx = mp.get_context(p.start_method)
