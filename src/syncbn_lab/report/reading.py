@@ -7,7 +7,7 @@ import math
 from collections import defaultdict
 
 from syncbn_lab.report import stats
-from syncbn_lab.report.stats import mean_std, paired
+from syncbn_lab.report.stats import NoiseFloor, mean_std, paired
 from syncbn_lab.report.study import SMALL_BATCH, Study, train_loss
 from syncbn_lab.report.tables import fmt_p, fmt_paired
 from syncbn_lab.variants import GROUP
@@ -18,16 +18,16 @@ def verdict(holds: bool) -> str:
 
 
 def reading(study: Study) -> list[str]:
-    lines = []
-    if study.floor is not None and not math.isnan(study.floor.p):
-        f = study.floor
-        lines.append(
-            f"- **SyncBN is flat across device counts** — {verdict(f.flat)}: "
+    lines = _flat_reading(
+        study.floor,
+        "SyncBN is flat across device counts",
+        lambda f: (
             f"its mean test error ranges over {f.spread:.2f} pp across {f.device_counts} "
             f"device counts; the device count explains no more than the noise floor "
             f"({f.std:.2f} pp per run) predicts (two-way ANOVA, seeds as blocks: "
             f"F = {f.f:.2f}, p = {fmt_p(f.p)}, {f.seeds} seeds)."
-        )
+        ),
+    )
     deltas = study.against_largest(study.baseline)
     if deltas:
         threshold = stats.significant_from(deltas)
@@ -136,11 +136,20 @@ def convergence_reading(study: Study) -> list[str]:
                 else "."
             )
         )
-    if study.loss_floor is not None and not math.isnan(study.loss_floor.p):
-        f = study.loss_floor
-        lines.append(
-            f"- **SyncBN's final training loss is flat across device counts** — "
-            f"{verdict(f.flat)}: range {f.spread:.4f} (F = {f.f:.2f}, "
-            f"p = {fmt_p(f.p)}); the curves per device count are in `train_loss_curves.png`."
-        )
+    lines += _flat_reading(
+        study.loss_floor,
+        "SyncBN's final training loss is flat across device counts",
+        lambda f: (
+            f"range {f.spread:.4f} (F = {f.f:.2f}, p = {fmt_p(f.p)}); the curves per device "
+            "count are in `train_loss_curves.png`."
+        ),
+    )
     return lines
+
+
+def _flat_reading(floor: NoiseFloor | None, claim: str, detail) -> list[str]:
+    """The claim that a noise floor's device counts explain nothing ("flat"), with its
+    verdict and ``detail(floor)``; nothing when the floor could not be tested."""
+    if floor is None or math.isnan(floor.p):
+        return []
+    return [f"- **{claim}** — {verdict(floor.flat)}: {detail(floor)}"]
