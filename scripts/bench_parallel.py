@@ -6,6 +6,9 @@
 2. Real DDP: the step time of 2 gloo ranks (32 images each, one thread each) against one
    process (64 images, as many threads as the ranks have together).
 3. SyncBN's cost under real DDP: step time with bn=sync over bn=bn, 2 gloo ranks.
+4. The training loop's per-step exchange under 2 gloo ranks (``Trainer.agree``: one
+   all_reduce of 4 numbers that stops every rank at the same step on divergence or a stop
+   signal): its time, and its share of the 2-rank DDP step of 2.
 
 Measurements alternate between the configurations being compared (single, emulated, ...,
 single, emulated); ratios are medians of per-round ratios, so a machine that gets busier
@@ -169,6 +172,29 @@ def ddp_against_one_process(steps: int, rounds: int) -> dict[str, float]:
     return result
 
 
+def exchange_time(rank: int, world_size: int, repeats: int) -> float:
+    """Seconds per ``Trainer.agree`` exchange on this rank: an all_reduce of 4 float64 and
+    the read of its result."""
+    import torch.distributed as dist
+
+    flags = torch.zeros(4, dtype=torch.float64)
+    for _ in range(200):
+        dist.all_reduce(flags)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_reduce(flags)
+        flags.tolist()
+    return (time.perf_counter() - start) / repeats
+
+
+def exchange(rounds: int, repeats: int = 2000) -> float:
+    """Median over ``rounds`` of rank 0's seconds per exchange, 2 gloo ranks x 1 thread."""
+    from syncbn_lab.parallel.gloo_jobs import run_distributed
+
+    target = f"{Path(__file__).resolve()}:exchange_time"
+    return statistics.median(run_distributed(target, 2, repeats)[0] for _ in range(rounds))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
@@ -203,6 +229,13 @@ def main() -> None:
     print(f"{'2-rank gloo DDP, bn':<44} {1e3 * ddp['bn']:>8.1f} {ddp['bn/single']:>6.2f}")
     print(f"{'2-rank gloo DDP, sync':<44} {1e3 * ddp['sync']:>8.1f} {ddp['sync/single']:>6.2f}")
     print(f"\nSyncBN / BN step time under 2-rank DDP: {ddp['sync/bn']:.2f}")
+
+    ddp["exchange"] = exchange(3)
+    ddp["exchange/bn"] = ddp["exchange"] / ddp["bn"]
+    print(
+        f"\n4. The loop's per-step exchange, 2 gloo ranks: {1e3 * ddp['exchange']:.2f} ms, "
+        f"{100 * ddp['exchange/bn']:.1f} % of the 2-rank DDP bn step"
+    )
     if args.json:
         columns = ("bn", "devices", "per_device_batch", "torch_images_per_s")
         columns += ("layer_images_per_s", "emulated_images_per_s", "vs_torch", "vs_layer")
