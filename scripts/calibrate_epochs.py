@@ -1,0 +1,82 @@
+"""Calibrate the study's length: bn's test error after 1, 2, 4, ... epochs, at 64 and 2 images
+per device, by seed; writes reports/calibration_epochs/ (README.md, results.csv).
+
+Runs one Hydra multirun of ``experiment=bn_vs_syncbn`` (the study's model, data and fast
+configuration, two jobs at a time) over the lengths, device counts and seeds, into --sweep-dir;
+runs that finished there before are kept (``skip_finished``), so the same command finishes
+an interrupted calibration. --report-only writes the report from the sweep dirs as they are
+(several: lengths added later in a sweep dir of their own).
+
+    python scripts/calibrate_epochs.py [--epochs 1 2 4 8] [--seeds 0 1] [--devices 1 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from syncbn_lab.provenance import provenance
+from syncbn_lab.report.calibration import COLUMNS, render
+from syncbn_lab.report.collect import collect_runs
+from syncbn_lab.report.fast import study_noise_floor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--devices", type=int, nargs="+", default=[1, 32])
+    parser.add_argument(
+        "--sweep-dir",
+        type=Path,
+        nargs="+",
+        default=[ROOT / "multirun/calibration_epochs/latest"],
+        help="where the runs go (the first) and are read from (all)",
+    )
+    parser.add_argument("--report", type=Path, default=ROOT / "reports/calibration_epochs")
+    parser.add_argument("--report-only", action="store_true", help="do not train; report")
+    args = parser.parse_args()
+    started = time.monotonic()
+    if not args.report_only:
+        join = lambda values: ",".join(map(str, values))  # noqa: E731
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts/train.py"), "-m", "experiment=bn_vs_syncbn",
+             "bn=bn", f"parallel.devices={join(args.devices)}", f"trainer.seed={join(args.seeds)}",
+             f"trainer.epochs={join(sorted(args.epochs, reverse=True))}", "logger=none",
+             "skip_finished=true", f"hydra.sweep.dir={args.sweep_dir[0]}"],
+            check=True,
+        )  # fmt: skip
+    runs = [run.summary for run in collect_runs(*args.sweep_dir)]
+    args.report.mkdir(parents=True, exist_ok=True)
+    with open(args.report / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for run in sorted(runs, key=lambda r: (r["devices"], r["epochs"], r["seed"])):
+            writer.writerow(run)
+    machine = provenance()["machine"]
+    commits = sorted({r.get("git_commit") or "?" for r in runs})
+    floor = study_noise_floor(ROOT / "reports/bn_vs_syncbn/results.csv")["test_error"]
+    wall = sum(r["wall_time_s"] for r in runs)
+    text = render(
+        runs,
+        floor,
+        {
+            "command": "python scripts/calibrate_epochs.py",
+            "commit": ", ".join(commits),
+            "machine": f"{machine['cpu']} ({machine['cores']} cores)",
+            "wall": f"{wall / 60:.0f} min of run time in all, two runs at a time",
+        },
+    )
+    (args.report / "README.md").write_text(text)
+    print(text)
+    print(f"-> {args.report}/README.md, results.csv ({time.monotonic() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Test error against training length: the calibration that chooses how long the study trains.
+
+The study's runs are one cosine schedule each, so a length is a run of its own. For each
+per-device batch the calibration trains 1, 2, 4, ... epochs with the same seeds, and asks of
+each doubling whether it still changes the test error: the change is paired by seed and set
+against the float32 noise of a difference of two runs (sqrt(2) times the committed study's
+noise floor of one run). A length whose doubling changes the error by less than that noise,
+and not significantly, is on the plateau.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from syncbn_lab.report.stats import Paired, mean_std, paired
+
+COLUMNS = ("devices", "per_device_batch_size", "epochs", "seed", "steps", "test_acc",
+           "test_acc_precise_bn", "train_loss", "train_time_s", "git_commit")  # fmt: skip
+
+
+def by_seed(runs: list[dict[str, Any]], devices: int, epochs: int, key: str) -> dict[int, float]:
+    """seed -> the metric (``test_error``, ``test_error_precise_bn`` or a summary key)."""
+    out = {}
+    for r in runs:
+        if r["devices"] == devices and r["epochs"] == epochs:
+            if key.startswith("test_error"):
+                acc = r[key.replace("test_error", "test_acc")]
+                out[r["seed"]] = math.nan if acc is None else 100.0 - acc
+            else:
+                out[r["seed"]] = r[key]
+    return out
+
+
+def doublings(runs: list[dict[str, Any]], devices: int) -> list[tuple[int, int, Paired]]:
+    """(short, long, test error long - short paired by seed) for consecutive lengths."""
+    lengths = sorted({r["epochs"] for r in runs if r["devices"] == devices})
+    return [
+        (short, long, paired(by_seed(runs, devices, long, "test_error"),
+                             by_seed(runs, devices, short, "test_error")))
+        for short, long in zip(lengths, lengths[1:], strict=False)
+    ]  # fmt: skip
+
+
+def within_noise(delta: Paired, floor: float) -> bool:
+    """The mean change is at most the noise of a difference of two runs."""
+    return abs(delta.mean) <= math.sqrt(2) * floor
+
+
+def plateau(runs: list[dict[str, Any]], devices: int, floor: float) -> int | None:
+    """The shortest length from which every doubling stays within the noise; None when the
+    last doubling still changes the error beyond it."""
+    found = None
+    for short, _, delta in doublings(runs, devices):
+        found = (found or short) if within_noise(delta, floor) else None
+    return found
+
+
+def _row(*cells: object) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _mean_std(values: dict[int, float], digits: int) -> str:
+    mean, std = mean_std(values.values())
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def render(runs: list[dict[str, Any]], floor: float, meta: dict[str, str]) -> str:
+    """The calibration's README.md: test error and the last epoch's training loss per
+    length, each doubling against the noise, and where the plateau starts."""
+    devices = sorted({r["devices"] for r in runs})
+    seeds = sorted({r["seed"] for r in runs})
+    noise = math.sqrt(2) * floor
+    lines = [
+        "# How long the study must train: test error against epochs",
+        "",
+        "bn (per-device BatchNorm) on Fashion-MNIST with `experiment=bn_vs_syncbn` (resnet8, "
+        "global batch 64, cosine schedule over the run, the study's fast configuration), "
+        f"trained for {', '.join(str(e) for e in sorted({r['epochs'] for r in runs}))} epochs "
+        f"with seeds {', '.join(map(str, seeds))}. Each doubling of the length is compared "
+        "paired by seed and set against the noise of a difference of two float32 runs, "
+        f"{noise:.2f} pp (sqrt(2) times the committed study's {floor:.2f} pp per run).",
+        "",
+        f"Produced by `{meta['command']}`, the runs at commit {meta['commit']}, on "
+        f"{meta['machine']}; {len(runs)} runs, {meta['wall']}.",
+        "",
+        _row("images per device", "epochs", "steps", "test error, EMA (%)",
+             "test error, PreciseBN (%)", "last epoch's training loss", "training time (s)"),
+        _row(*["---"] * 7),
+    ]  # fmt: skip
+    for d in devices:
+        for e in sorted({r["epochs"] for r in runs if r["devices"] == d}):
+            steps = by_seed(runs, d, e, "steps")
+            lines.append(
+                _row(
+                    64 // d,
+                    e,
+                    int(next(iter(steps.values()))),
+                    _mean_std(by_seed(runs, d, e, "test_error"), 2),
+                    _mean_std(by_seed(runs, d, e, "test_error_precise_bn"), 2),
+                    _mean_std(by_seed(runs, d, e, "train_loss"), 4),
+                    f"{mean_std(by_seed(runs, d, e, 'train_time_s').values())[0]:.0f}",
+                )
+            )
+    lines += [
+        "",
+        "Each doubling (test error, EMA statistics; long - short, paired by seed):",
+        "",
+        _row("images per device", "epochs", "change (pp)", "p", "verdict"),
+        _row(*["---"] * 5),
+    ]
+    for d in devices:
+        for short, long, delta in doublings(runs, d):
+            p = "–" if math.isnan(delta.p) else f"{delta.p:.3f}"
+            verdict = "within the noise" if within_noise(delta, floor) else "beyond the noise"
+            lines.append(
+                _row(64 // d, f"{short} → {long}", f"{delta.mean:+.2f} ± {delta.std:.2f} "
+                     f"(n={delta.n})", p, verdict)
+            )  # fmt: skip
+    lines += ["", "Where the test error stops changing beyond the noise:", ""]
+    for d in devices:
+        start = plateau(runs, d, floor)
+        longest = max(r["epochs"] for r in runs if r["devices"] == d)
+        if start is None:
+            lines.append(
+                f"- {64 // d} images per device: not yet at {longest} epochs (its last doubling "
+                "still changes the error beyond the noise)."
+            )
+        else:
+            lines.append(f"- {64 // d} images per device: from {start} epochs on.")
+    return "\n".join(lines) + "\n"
