@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from syncbn_lab.run_compare import float64_pair
+
+TRAIN = str(Path(__file__).resolve().parents[1] / "scripts" / "train.py")
+
+
+def train_cli(*args: str, cwd: Any = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``python scripts/train.py *args`` as a user runs it; its output captured."""
+    return subprocess.run(
+        [sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    """Exit status 2 and one line on stderr, ``error: ...``, holding every fragment."""
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
 
 
 def torch_batchnorm_class(input_dim: int) -> type:

@@ -1,29 +1,15 @@
 """Bad input from the command line: one line naming the problem and the fix, exit 2,
 and nothing already written is touched."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY
-
-TRAIN = str(ROOT / "scripts" / "train.py")
+from conftest import TINY
+from helpers import assert_one_line_error, train_cli
 
 
 def train(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=120, cwd=cwd
-    )
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ")
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
+    return train_cli(*args, cwd=cwd, timeout=120)
 
 
 @pytest.mark.parametrize(

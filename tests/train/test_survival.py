@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 from conftest import ROOT, TINY
+from helpers import TRAIN, assert_one_line_error, train_cli
 
 from syncbn_lab.engine import checkpoint, preemption
 from syncbn_lab.errors import Diverged, Preempted
@@ -20,15 +21,8 @@ from syncbn_lab.faults import fault_override
 from syncbn_lab.multirun import ERROR_FILE, run_job
 from syncbn_lab.train import run
 
-TRAIN = str(ROOT / "scripts" / "train.py")
 # 256 images, 32 a step: 8 steps an epoch, 10 epochs = 80 steps; step 31 is mid-epoch.
 LONG = [*TINY, "trainer.epochs=10", "trainer.threads=1", "parallel=emulated", "parallel.devices=4"]
-
-
-def train_cli(*args):
-    return subprocess.run(
-        [sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=180
-    )
 
 
 def final_params(run_dir):
@@ -208,9 +202,9 @@ def test_a_bad_checkpoint_is_one_line_and_no_run_dir(tmp_path, tiny_cfg, case):
         overrides = ["model.width=8"]
     target = tmp_path / "target"
     result = train_cli(*TINY, *overrides, f"trainer.resume={source}", f"hydra.run.dir={target}")
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2 and len(lines) == 1, result.stderr
-    assert lines[0].startswith(f"error: trainer.resume: {last}") and "weights_only" not in lines[0]
+    assert_one_line_error(result)
+    assert result.stderr.strip().startswith(f"error: trainer.resume: {last}")
+    assert "weights_only" not in result.stderr  # torch's advice to load unsafely
     assert not target.exists()
 
 
