@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from syncbn_lab.report import stats
 from syncbn_lab.report.stats import Paired, mean_std, paired
 
 COLUMNS = ("devices", "per_device_batch_size", "epochs", "seed", "steps", "test_acc",
@@ -20,16 +21,17 @@ COLUMNS = ("devices", "per_device_batch_size", "epochs", "seed", "steps", "test_
 
 
 def by_seed(runs: list[dict[str, Any]], devices: int, epochs: int, key: str) -> dict[int, float]:
-    """seed -> the metric (``test_error``, ``test_error_precise_bn`` or a summary key)."""
-    out = {}
-    for r in runs:
-        if r["devices"] == devices and r["epochs"] == epochs:
-            if key.startswith("test_error"):
-                acc = r[key.replace("test_error", "test_acc")]
-                out[r["seed"]] = math.nan if acc is None else 100.0 - acc
-            else:
-                out[r["seed"]] = r[key]
-    return out
+    """seed -> the metric of the run at ``devices`` and ``epochs`` (``test_error``,
+    ``test_error_precise_bn`` or a summary key), through stats.by_seed."""
+
+    def value(run: dict[str, Any]) -> float | None:
+        if not key.startswith("test_error"):
+            return run[key]
+        acc = run[key.replace("test_error", "test_acc")]
+        return None if acc is None else 100.0 - acc
+
+    cell = [r for r in runs if r["devices"] == devices and r["epochs"] == epochs]
+    return stats.by_seed(cell, value)
 
 
 def doublings(runs: list[dict[str, Any]], devices: int) -> list[tuple[int, int, Paired]]:
