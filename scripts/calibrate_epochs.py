@@ -61,7 +61,7 @@ def main() -> None:
             writer.writerow(run)
     machine = provenance()["machine"]
     commits = sorted({r.get("git_commit") or "?" for r in runs})
-    floor = study_noise_floor(ROOT / "reports/bn_vs_syncbn/results.csv")["test_error"]
+    floor = study_noise_floor(ROOT / "reports/bn_vs_syncbn_1epoch/results.csv")["test_error"]
     wall = sum(r["wall_time_s"] for r in runs)
     text = render(
         runs,

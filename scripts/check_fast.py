@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument(
         "--study",
         type=Path,
-        default=ROOT / "reports/bn_vs_syncbn/results.csv",
+        default=ROOT / "reports/bn_vs_syncbn_1epoch/results.csv",
         help="the committed study whose SyncBN runs give the noise floor",
     )
     parser.add_argument(

@@ -2,7 +2,9 @@
 
 Reads every finished run (summary.json, metrics.jsonl) under the sweep dirs and writes
 results.csv, README.md and PNG plots (test error against the per-device batch and against
-the normalisation batch, training-loss curves) into --out (default reports/bn_vs_syncbn).
+the normalisation batch, training-loss and validation curves) into --out (default
+reports/bn_vs_syncbn). --compare-with sets the claims beside those of an earlier study's
+committed results.csv (the converged study against reports/bn_vs_syncbn_1epoch/).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 from syncbn_lab.cli import exit_on_user_error
 from syncbn_lab.report import collect_failures, collect_runs, write_report
+from syncbn_lab.report.collect import runs_from_csv
 
 
 def main() -> None:
@@ -25,11 +28,21 @@ def main() -> None:
         default=None,
         help="wall time of the sweep, to state in the report",
     )
+    parser.add_argument(
+        "--compare-with",
+        type=Path,
+        default=None,
+        metavar="RESULTS_CSV",
+        help="an earlier study's results.csv whose claims the report sets beside these",
+    )
     args = parser.parse_args()
     with exit_on_user_error():
         runs = collect_runs(*args.sweep_dirs)
         failures = collect_failures(*args.sweep_dirs)
-        write_report(runs, args.out, args.title, args.wall_time_s, failures)
+        earlier = None
+        if args.compare_with is not None:
+            earlier = (args.compare_with.parent.name, runs_from_csv(args.compare_with))
+        write_report(runs, args.out, args.title, args.wall_time_s, failures, earlier)
     missing = f" ({len(failures)} failed, marked missing)" if failures else ""
     print(f"{len(runs)} runs{missing} -> {args.out}/README.md, results.csv, *.png")
 

@@ -37,7 +37,14 @@ from pathlib import Path
 from syncbn_lab.errors import UserError, one_line
 from syncbn_lab.logging.console import display_path
 from syncbn_lab.multirun import SweepProgress, job_count
-from syncbn_lab.sweep import LOG, log_report_to_wandb, multirun, multirun_overrides, plan
+from syncbn_lab.sweep import (
+    LOG,
+    compare_with,
+    log_report_to_wandb,
+    multirun,
+    multirun_overrides,
+    plan,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "scripts" / "train.py"
@@ -80,7 +87,10 @@ def settings(args: argparse.Namespace) -> tuple[Path, dict]:
     ):
         for part in parts:  # one W&B group per sweep
             part["overrides"].append(f"logger.group={name}-{stamp}")
-    return sweep_dir, {"name": name, "experiment": experiment, "parts": parts}
+    record = {"name": name, "experiment": experiment, "parts": parts}
+    if not args.smoke:
+        record["compare_with"] = compare_with(experiment)
+    return sweep_dir, record
 
 
 def main() -> None:
@@ -138,8 +148,10 @@ def main() -> None:
             str(report_dir),
             "--wall-time-s",
             f"{wall:.1f}",
+            *(["--compare-with", str(ROOT / record["compare_with"])]
+              if record.get("compare_with") else []),
         ],
-    )
+    )  # fmt: skip
     if report.returncode == 0:
         log_report_to_wandb(runs[0], report_dir, sweep_dir, record["name"])
     if any(statuses) or report.returncode:

@@ -51,6 +51,13 @@ def declared(experiment: str, smoke: bool) -> tuple[list[str], dict[str, list[st
     return common, {k: list(v) for k, v in OmegaConf.to_container(chosen.parts).items()}
 
 
+def compare_with(experiment: str) -> str | None:
+    """The committed results.csv whose claims ``experiment``'s report sets beside its own."""
+    from syncbn_lab.config import compose
+
+    return compose([f"experiment={experiment}"]).sweep.get("compare_with")
+
+
 def _mode_of(overrides: list[str], default: str | None) -> str | None:
     """The parallel mode ``overrides`` choose (the last ``parallel=`` wins), or ``default``."""
     chosen = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "parallel"]

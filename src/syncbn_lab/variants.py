@@ -11,6 +11,8 @@ the report can ask a variant without them.)
 | `torch_sync` | torch.nn.SyncBatchNorm                   | the global batch, CUDA only      |
 | `brn`        | syncbn_lab.nn.BatchRenorm (Ioffe 2017)   | each device's slice, corrected   |
 |              |                                          | towards the running statistics   |
+| `brn_tuned`  | the same, with the limits Wu & He (2018) | as brn                           |
+|              | tuned: rmax 1.5, dmax 0.5                |                                  |
 | `gn`         | syncbn_lab.nn.GroupNorm (torch's, kept   | per sample, batch-independent    |
 |              | in NCHW for its CPU kernel)              |                                  |
 
@@ -264,6 +266,7 @@ def register(variant: NormVariant) -> NormVariant:
 for _variant in (
     _PerDeviceBN("bn", "per-device BN", role="baseline"),
     _BatchRenorm("brn", "Batch Renormalization", role="remedy"),
+    _BatchRenorm("brn_tuned", "Batch Renormalization (rmax 1.5, dmax 0.5)", role="remedy"),
     _SyncBN("sync", "SyncBN", synchronises=True, role="reference"),
     _TorchSyncBN("torch_sync", "torch.nn.SyncBatchNorm", synchronises=True),
     _GroupNorm("gn", "GroupNorm", per_sample=True, role="remedy"),

@@ -68,7 +68,9 @@ def test_the_committed_readme_is_computed_from_its_csv():
              else v for k, v in row.items() if k != "per_device_batch_size"}
             for row in csv.DictReader(f)
         ]  # fmt: skip
-    floor = study_noise_floor(ROOT / "reports" / "bn_vs_syncbn" / "results.csv")["test_error"]
+    floor = study_noise_floor(ROOT / "reports" / "bn_vs_syncbn_1epoch" / "results.csv")[
+        "test_error"
+    ]
     rendered = calibration.render(
         rows, floor, dict.fromkeys(("command", "commit", "machine", "wall"), "x")
     )

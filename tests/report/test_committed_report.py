@@ -7,7 +7,7 @@ from collections import defaultdict
 
 from conftest import ROOT
 
-REPORT = ROOT / "reports" / "bn_vs_syncbn"
+REPORT = ROOT / "reports" / "bn_vs_syncbn_1epoch"
 
 
 def rows():

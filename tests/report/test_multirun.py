@@ -68,10 +68,10 @@ def test_skip_finished_refuses_a_finished_run_of_another_config(tmp_path):
 
 
 def test_job_count_is_the_product_of_the_sweeps_comma_lists():
-    # configs/experiment/bn_vs_syncbn.yaml: bn, sync x devices 1 ... 64 x seeds 0 ... 3
-    assert job_count(["experiment=bn_vs_syncbn"]) == 2 * 7 * 4
+    # configs/experiment/bn_vs_syncbn_1epoch.yaml: bn, sync x devices 1 ... 64 x seeds 0 ... 3
+    assert job_count(["experiment=bn_vs_syncbn_1epoch"]) == 2 * 7 * 4
     # the command line wins for a key the experiment sweeps too
-    assert job_count(["experiment=bn_vs_syncbn", "bn=brn", "parallel.devices=8,16"]) == 2 * 4
+    assert job_count(["experiment=bn_vs_syncbn_1epoch", "bn=brn", "parallel.devices=8,16"]) == 2 * 4
     assert job_count([*TINY, "bn=bn,sync,gn", "trainer.seed=0,1"]) == 3 * 2
 
 

@@ -157,24 +157,24 @@ def test_recovery_of_bns_loss(report):
     text = (report / "README.md").read_text()
     rows = table_rows(section(text, "Recovering BN's loss"))[1:]
 
-    def mean_diff(variant, reference, devices):
-        return np.mean([planted_error(variant, s, devices) - planted_error(reference, s, devices)
-                        for s in SEEDS])  # fmt: skip
+    def sync(seed):  # the reference of a seed: SyncBN's mean over its device counts
+        return np.mean([planted_error("sync", seed, d) for d in DEVICES])
+
+    def mean_diff(variant, devices):
+        return np.mean([planted_error(variant, s, devices) - sync(s) for s in SEEDS])
 
     brn = {row[0]: row for row in rows if row[3] == "brn (EMA)"}
     assert sorted(brn, key=int) == ["1", "2", "4", "8"]
     for batch, row in brn.items():
         devices = 64 // int(batch)
-        bn_loss, remaining = mean_diff("bn", "sync", devices), mean_diff("brn", "sync", devices)
+        bn_loss, remaining = mean_diff("bn", devices), mean_diff("brn", devices)
         assert row[1].startswith(f"{bn_loss:+.2f} ± ")
         assert row[5].startswith(f"{remaining:+.2f} ± ")
         assert row[9] == f"{100 * (1 - remaining / bn_loss):.0f} %"
         assert abs(remaining / bn_loss - 0.5) < 0.15  # the planted half, up to the noise
     gn = {row[0]: row for row in rows if row[3] == "gn"}
-    gn_remaining = np.mean(
-        [planted_error("gn", s, 1) - planted_error("sync", s, 64) for s in SEEDS]
-    )
-    assert gn["1"][9] == f"{100 * (1 - gn_remaining / mean_diff('bn', 'sync', 64)):.0f} %"
+    gn_remaining = mean_diff("gn", 1)
+    assert gn["1"][9] == f"{100 * (1 - gn_remaining / mean_diff('bn', 64)):.0f} %"
 
 
 def test_cost_and_spot_check(report):

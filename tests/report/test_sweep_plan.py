@@ -19,7 +19,9 @@ def experiment_parts(name: str) -> dict[str, list[str]]:
     return yaml.safe_load(text)["sweep"]["parts"]
 
 
-@pytest.mark.parametrize("experiment", ["bn_vs_syncbn", "bn_vs_syncbn_mnist"])
+@pytest.mark.parametrize(
+    "experiment", ["bn_vs_syncbn", "bn_vs_syncbn_1epoch", "bn_vs_syncbn_mnist"]
+)
 def test_the_plan_is_the_grid_then_the_yaml_parts(experiment, monkeypatch):
     monkeypatch.setattr(sweep, "available_cores", lambda: 5)
     parts = sweep.plan(experiment, False, "emulated", "joblib", [])
@@ -36,7 +38,7 @@ def test_the_plan_is_the_grid_then_the_yaml_parts(experiment, monkeypatch):
 
 def test_ddp_parts_are_left_out_when_the_grid_is_ddp():
     parts = sweep.plan("bn_vs_syncbn", False, "ddp", "slurm", [])
-    assert [p["part"] for p in parts] == ["grid", "brn", "gn"]
+    assert [p["part"] for p in parts] == ["grid", "sync", "brn", "brn_tuned", "gn", "accumulate"]
     assert not any("n_jobs" in o for p in parts for o in p["overrides"])  # not joblib
 
 

@@ -16,6 +16,7 @@ CSV_COLUMNS = (
     GROUP,
     "parallel",
     "devices",
+    "accumulate",
     "per_device_batch_size",
     "normalization_batch_size",
     "global_batch_size",
@@ -39,16 +40,28 @@ CSV_COLUMNS = (
 paths), the comm_* columns are filled for real DDP runs only."""
 
 
+def series(cell: dict[str, Any]) -> Any:
+    """The line of a report a run (or failed run) ``cell`` belongs to: its variant, or
+    "<variant>, accumulated" when it accumulates gradients over several micro-batches (its
+    normalisation batch shrinks as with more devices, but it is not the same experiment)."""
+    if (cell.get("accumulate") or 1) > 1:
+        return f"{cell.get(GROUP)}, accumulated"
+    return cell.get(GROUP)
+
+
 @dataclass
 class Run:
-    """One finished run: its summary and its training-loss curve (step, loss)."""
+    """One finished run: its summary, its training-loss curve (step, loss) and its
+    validation curve (step, accuracy %). ``run[GROUP]`` is its :func:`series`;
+    ``run.summary[GROUP]`` its variant."""
 
     run_dir: Path
     summary: dict[str, Any]
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
+    val_curve: list[tuple[int, float]] = field(default_factory=list)
 
     def __getitem__(self, key: str) -> Any:
-        return self.summary.get(key)
+        return series(self.summary) if key == GROUP else self.summary.get(key)
 
     @property
     def test_error(self) -> float:
@@ -76,7 +89,7 @@ class Failure:
     reason: str
 
     def __getitem__(self, key: str) -> Any:
-        return self.cell.get(key)
+        return series(self.cell) if key == GROUP else self.cell.get(key)
 
     @property
     def diverged(self) -> bool:
@@ -116,7 +129,7 @@ def collect_runs(*sweep_dirs: Path) -> list[Run]:
             if summary is None:
                 continue  # cut short by an interruption
             summary.setdefault("precision", _precision(run_dir / "config.yaml"))
-            runs.append(Run(run_dir, summary, _loss_curve(run_dir / "metrics.jsonl")))
+            runs.append(Run(run_dir, summary, *_curves(run_dir / "metrics.jsonl")))
     if not runs:
         raise UserError(f"no finished runs (summary.json) under {', '.join(map(str, sweep_dirs))}")
     return runs
@@ -131,12 +144,48 @@ def _precision(config: Path) -> str | None:
     return OmegaConf.select(OmegaConf.load(config), "trainer.precision")
 
 
-def _loss_curve(metrics: Path) -> list[tuple[int, float]]:
+def _curves(metrics: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """(training loss, validation accuracy) against the step, from metrics.jsonl: the loss
+    of each logging window (not the epoch-end records, which average the epoch)."""
+    loss: list[tuple[int, float]] = []
+    val: list[tuple[int, float]] = []
     if not metrics.exists():
-        return []
-    curve = []
+        return loss, val
     for line in metrics.read_text().splitlines():
         record = json.loads(line)
-        if "val/acc" not in record and record.get("train/loss") is not None:
-            curve.append((record["step"], record["train/loss"]))
-    return curve
+        if "val/acc" in record:
+            val.append((record["step"], record["val/acc"]))
+        elif record.get("train/loss") is not None:
+            loss.append((record["step"], record["train/loss"]))
+    return loss, val
+
+
+INTEGER_COLUMNS = {"devices", "accumulate", "per_device_batch_size", "normalization_batch_size",
+                   "global_batch_size", "seed", "steps"}  # fmt: skip
+TEXT_COLUMNS = {GROUP, "parallel", "git_commit", "run_dir"}
+
+
+def runs_from_csv(path: Path) -> list[Run]:
+    """The runs of a committed results.csv (a report's, without their curves): a study whose
+    run dirs are gone can still be compared with."""
+    import csv
+
+    if not Path(path).is_file():
+        raise UserError(f"{path} is not a file; pass a results.csv that make report wrote")
+
+    def value(key: str, text: str) -> Any:
+        if text == "" or key in TEXT_COLUMNS:
+            return text or None
+        if key in INTEGER_COLUMNS:
+            return int(text)
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [
+        Run(Path(row.get("run_dir") or "?"), {k: value(k, v) for k, v in row.items()})
+        for row in rows
+    ]

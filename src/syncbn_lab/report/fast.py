@@ -184,9 +184,9 @@ def render(
         "configurations with the same seeds (same initialisation, same data order) for the "
         "study's one epoch, and each difference fast - fp32 is set against the float32 noise "
         "floor of the committed study (SyncBN across device counts in "
-        f"reports/bn_vs_syncbn/results.csv: one run {floor['test_error']:.2f} pp test error, "
-        f"{floor['train_loss']:.4f} final training loss; a difference of two runs has sqrt(2) "
-        f"times that: {pair_floor[0]:.2f} pp, {pair_floor[1]:.4f}).",
+        f"reports/bn_vs_syncbn_1epoch/results.csv: one run {floor['test_error']:.2f} pp test "
+        f"error, {floor['train_loss']:.4f} final training loss; a difference of two runs has "
+        f"sqrt(2) times that: {pair_floor[0]:.2f} pp, {pair_floor[1]:.4f}).",
         "",
         f"Produced by `{meta['command']}`, the runs at commit {meta['commit']}, on "
         f"{meta['machine']}; "

@@ -1,5 +1,6 @@
 """The report's PNG plots: test error against the per-device and the normalisation batch,
-and the training-loss curves per per-device batch."""
+the training-loss and validation-error curves per per-device batch, and, at a glance, test
+error and the steps to reach a validation accuracy against images per device."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from syncbn_lab.report.collect import Run
 from syncbn_lab.report.stats import mean_std
+from syncbn_lab.report.study import per_sample
 from syncbn_lab.variants import GROUP, VARIANTS
 
 X_AXES = {
@@ -27,9 +29,13 @@ def write_plots(runs: list[Run], out_dir: Path, variants: list[str]) -> list[str
     import matplotlib
 
     matplotlib.use("Agg")
-    names = [_error_plot(runs, out_dir, variants, x_axis) for x_axis in X_AXES]
-    curves = _loss_curves(runs, out_dir, [v for v in variants if _has_curves(v)])
-    return names + ([curves] if curves else [])
+    names = [_glance_plot(runs, out_dir, variants)] if any(r.val_curve for r in runs) else []
+    names += [_error_plot(runs, out_dir, variants, x_axis) for x_axis in X_AXES]
+    with_curves = [v for v in variants if _has_curves(v)]
+    for curve in CURVES:
+        name = _curves(runs, out_dir, with_curves, curve)
+        names += [name] if name else []
+    return names
 
 
 def _has_curves(name: str) -> bool:
@@ -113,11 +119,19 @@ def _error_plot(runs: list[Run], out_dir: Path, variants: list[str], x_axis: str
     return name
 
 
-def _loss_curves(runs: list[Run], out_dir: Path, variants: list[str]) -> str | None:
-    """One panel per variant: the mean training-loss curve over seeds per per-device batch."""
+CURVES = {  # file stem -> (Run attribute, y label, value plotted, log y axis)
+    "train_loss_curves": ("loss_curve", "training loss (mean over seeds)", lambda v: v, True),
+    "val_error_curves": ("val_curve", "validation error (%), mean over seeds",
+                         lambda acc: 100.0 - acc, False),
+}  # fmt: skip
+
+
+def _curves(runs: list[Run], out_dir: Path, variants: list[str], stem: str) -> str | None:
+    """One panel per variant: the mean curve over seeds (CURVES[stem]) per per-device batch."""
     import matplotlib.pyplot as plt
 
-    if not variants or not any(r.loss_curve for r in runs):
+    attr, ylabel, value, log = CURVES[stem]
+    if not variants or not any(getattr(r, attr) for r in runs):
         return None
     from matplotlib.ticker import FuncFormatter
 
@@ -128,27 +142,70 @@ def _loss_curves(runs: list[Run], out_dir: Path, variants: list[str]) -> str | N
     for ax, v in zip(axes, variants, strict=True):
         by_batch = defaultdict(list)
         for r in runs:
-            if r[GROUP] == v and r.loss_curve:
-                by_batch[r["per_device_batch_size"]].append(dict(r.loss_curve))
+            if r[GROUP] == v and getattr(r, attr):
+                by_batch[r["per_device_batch_size"]].append(dict(getattr(r, attr)))
         for batch in sorted(by_batch, reverse=True):
             curves = by_batch[batch]
             steps = sorted(set.intersection(*(set(c) for c in curves)))
             ax.plot(
                 steps,
-                [statistics.fmean(c[s] for c in curves) for s in steps],
+                [statistics.fmean(value(c[s]) for c in curves) for s in steps],
                 label=f"{batch} per device",
                 color=color[batch],
                 linewidth=1,
             )
         ax.set_title(f"{GROUP}={v}")
         ax.set_xlabel("optimizer step")
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        if log:
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0].set_ylabel("training loss (mean over seeds)")
+    axes[0].set_ylabel(ylabel)
     fig.tight_layout()
-    fig.savefig(out_dir / "train_loss_curves.png", dpi=110)
+    fig.savefig(out_dir / f"{stem}.png", dpi=110)
     plt.close(fig)
-    return "train_loss_curves.png"
+    return f"{stem}.png"
+
+
+def _glance_plot(runs: list[Run], out_dir: Path, variants: list[str]) -> str:
+    """Left: test error against images per device, one line per variant (mean ± std over
+    seeds); right: the steps to reach the highest of convergence.THRESHOLDS, the same way."""
+    import matplotlib.pyplot as plt
+
+    from syncbn_lab.report.convergence import THRESHOLDS, steps_to
+
+    accuracy = THRESHOLDS[-1]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    measures = (
+        (lambda r: r.test_error, "test error (%), mean ± std over seeds"),
+        (lambda r: steps_to(r, accuracy), f"steps to {accuracy:g} % validation accuracy"),
+    )
+    for ax, (value, label) in zip(axes, measures, strict=True):
+        for i, v in enumerate(variants):
+            members = [r for r in runs if r[GROUP] == v]
+            if per_sample(v):
+                m, s = mean_std(value(r) for r in members)
+                ax.axhline(m, color="grey", linestyle=":", label=f"{v} (any batch)")
+                ax.axhspan(m - s, m + s, color="grey", alpha=0.12)
+                continue
+            cells = defaultdict(list)
+            for r in members:
+                cells[r["per_device_batch_size"]].append(value(r))
+            xs = sorted(b for b in cells if b >= ZOOM_FROM)
+            points = [mean_std(cells[x]) for x in xs]
+            if xs and not all(math.isnan(m) for m, _ in points):
+                ax.errorbar(xs, [m for m, _ in points], yerr=[s for _, s in points],
+                            fmt="-o", capsize=3, label=v, color=f"C{i % 10}")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.invert_xaxis()
+        ax.set_xlabel(f"images per device ({ZOOM_FROM} and more; global batch fixed)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "at_a_glance.png", dpi=110)
+    plt.close(fig)
+    return "at_a_glance.png"

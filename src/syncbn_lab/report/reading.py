@@ -7,8 +7,10 @@ import math
 from collections import defaultdict
 
 from syncbn_lab.report import stats
-from syncbn_lab.report.stats import NoiseFloor, mean_std, paired
-from syncbn_lab.report.study import SMALL_BATCH, Study, train_loss
+from syncbn_lab.report.collect import series
+from syncbn_lab.report.convergence import THRESHOLDS, batch_stats_error, slower
+from syncbn_lab.report.stats import NoiseFloor, by_seed, mean_std, paired
+from syncbn_lab.report.study import SMALL_BATCH, Study, test_error, train_loss
 from syncbn_lab.report.tables import fmt_p, fmt_paired
 from syncbn_lab.variants import GROUP
 
@@ -52,6 +54,7 @@ def reading(study: Study) -> list[str]:
             )
     lines += recovery_reading(study)
     lines += convergence_reading(study)
+    lines += convergence_claims(study)
     lines += normalization_reading(study)
     return lines
 
@@ -153,3 +156,56 @@ def _flat_reading(floor: NoiseFloor | None, claim: str, detail) -> list[str]:
     if floor is None or math.isnan(floor.p):
         return []
     return [f"- **{claim}** — {verdict(floor.flat)}: {detail(floor)}"]
+
+
+def convergence_claims(study: Study) -> list[str]:
+    """The reading's lines on convergence speed, test statistics and accumulation."""
+    lines = []
+    deltas = {b: d for b, d in slower(study).items() if d.n > 1}
+    if deltas:
+        smallest = min(deltas)
+        d = deltas[smallest]
+        parts = ", ".join(f"{dd.mean:+,.0f} ± {dd.std:,.0f} at {b}"
+                          for b, dd in sorted(deltas.items(), reverse=True))  # fmt: skip
+        lines.append(
+            f"- **Per-device BN needs more steps to reach {THRESHOLDS[-1]:g} % validation "
+            f"accuracy as the per-device batch shrinks** — "
+            f"{verdict(d.significant and d.mean > 0)}: at {smallest} images per device "
+            f"{d.mean:+,.0f} ± {d.std:,.0f} steps against {study.largest} (paired, "
+            f"p = {fmt_p(d.p)}, n = {d.n}); steps more than at {study.largest} by images per "
+            f"device: {parts}."
+        )
+    rows = []
+    for b in study.batches:
+        cell = study.cells.get((study.baseline, b), [])
+        if b <= SMALL_BATCH and any(not math.isnan(batch_stats_error(r)) for r in cell):
+            rows.append((b, paired(by_seed(cell, lambda r: batch_stats_error(r)),
+                                   by_seed(cell, test_error))))  # fmt: skip
+    if rows:
+        wins = [b for b, d in rows if d.significant and d.mean < 0]
+        lines.append(
+            f"- **Testing as it trained (statistics of test batches of the training "
+            f"normalisation batch) beats the EMA statistics at {SMALL_BATCH} or fewer images "
+            f"per device** — {verdict(len(wins) == len(rows))}: "
+            + "; ".join(f"{b}: {fmt_paired(d)} pp (p = {fmt_p(d.p)})" for b, d in rows)
+            + "."
+        )
+    accumulated = series({GROUP: study.baseline, "accumulate": 2})
+    pairs = []
+    for (name, b), members in study.cells.items():
+        devices = study.cells.get((study.baseline, b))
+        if name == accumulated and devices:
+            pairs.append((b, paired(by_seed(members, test_error), by_seed(devices, test_error))))
+    if pairs:
+        differ = [b for b, d in pairs if d.significant]
+        lines.append(
+            f"- **Accumulating gradients over micro-batches costs what the same number of "
+            f"devices costs** — {verdict(not differ)}: accumulated minus devices at the same "
+            f"normalisation batch, "
+            + "; ".join(
+                f"{b} images: {fmt_paired(d)} pp (p = {fmt_p(d.p)})"
+                for b, d in sorted(pairs, reverse=True)
+            )  # fmt: skip
+            + f" (paired t-test, p < {stats.ALPHA} would count as a difference)."
+        )
+    return lines

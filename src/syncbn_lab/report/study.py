@@ -7,6 +7,7 @@ Which variant is the baseline, the synchronised reference or a remedy is each va
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from functools import cached_property
 
@@ -77,10 +78,21 @@ class Study:
         self.loss_floor = stats.noise_floor(sync, train_loss) if sync else None
         base_batches = [b for b in self.batches if self.cells.get((self.baseline, b))]
         self.largest = base_batches[0] if base_batches else None
+        self.smallest_batch = self.batches[-1] if self.batches else None
         self.base = by_seed(self.cells.get((self.baseline, self.largest), []), test_error)
 
     def seeds(self, variant: str, batch: int, value=test_error) -> dict[int, float]:
         return by_seed(self.cells.get((variant, batch), []), value)
+
+    def reference_seeds(self, value=test_error) -> dict[int, float]:
+        """seed -> the reference's mean over its device counts: one model at every device
+        count (proven in float64), so the mean is the least noisy reference of a seed."""
+        per_seed: dict[int, list[float]] = defaultdict(list)
+        for r in self.runs:
+            v = value(r)
+            if r[GROUP] == self.reference and v is not None and not math.isnan(v):
+                per_seed[r["seed"]].append(v)
+        return {s: sum(v) / len(v) for s, v in per_seed.items()}
 
     def against_largest(self, variant: str) -> dict[int, Paired]:
         """Per-device batch -> paired test error difference against the baseline at the
@@ -105,16 +117,15 @@ class Study:
 
     @cached_property
     def recovery_rows(self) -> list[dict]:
-        """At each small per-device batch: the baseline's loss against the reference at the
-        same device count, and what PreciseBN and each remedy make of it."""
+        """At each small per-device batch: the baseline's loss against the reference (its
+        mean over device counts, per seed), and what PreciseBN and each remedy make of it."""
         rows = []
         sample = {v.name: by_seed(group(self.runs, GROUP)[(v.name,)], test_error)
                   for v in self.sample_remedies}  # fmt: skip
-        base, ref = self.baseline, self.reference
+        base, sync = self.baseline, self.reference_seeds()
         for b in self.batches:
-            if b > SMALL_BATCH or not self.cells.get((base, b)) or not self.cells.get((ref, b)):
+            if b > SMALL_BATCH or not self.cells.get((base, b)) or not sync:
                 continue
-            sync = self.seeds(ref, b)
             bn = self.seeds(base, b)
             bn_loss = paired(bn, sync)
             candidates = {f"{base} (PreciseBN)": self.seeds(base, b, test_error_precise_bn)}

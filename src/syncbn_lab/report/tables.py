@@ -103,7 +103,8 @@ def recovery_section(study: Study) -> list[str]:
         "",
         f"## Recovering BN's loss at {SMALL_BATCH} or fewer images per device",
         "",
-        "BN's loss = bn's test error minus SyncBN's at the same device count and seed. Each "
+        "BN's loss = bn's test error minus SyncBN's of the same seed (its mean over device "
+        "counts: one model at every count). Each "
         "remedy is compared, seed by seed, with SyncBN (its remaining loss) and with bn "
         "(what it wins); recovered = 1 − remaining / BN's loss.",
         "",

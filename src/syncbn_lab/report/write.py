@@ -11,7 +11,7 @@ from pathlib import Path
 
 from syncbn_lab.errors import UserError
 from syncbn_lab.parallel.modes import mode
-from syncbn_lab.report import tables
+from syncbn_lab.report import convergence, tables
 from syncbn_lab.report.collect import CSV_COLUMNS, Failure, Run
 from syncbn_lab.report.plots import write_plots
 from syncbn_lab.report.reading import reading
@@ -28,9 +28,11 @@ def write_report(
     title: str,
     sweep_wall_time_s: float | None = None,
     failures: list[Failure] = (),
+    earlier: tuple[str, list[Run]] | None = None,
 ) -> None:
     """results.csv, README.md and the plots of ``runs`` into ``out_dir``; the cells of
-    ``failures`` are marked missing, with each failed run's one-line reason."""
+    ``failures`` are marked missing, with each failed run's one-line reason. ``earlier``:
+    (name, runs) of a shorter study of the same grid, whose claims are set beside these."""
     _check_normalization_batch(runs)  # before anything is written
     out_dir.mkdir(parents=True, exist_ok=True)
     one_process = [r for r in runs if not _distributed(r)]
@@ -39,7 +41,12 @@ def write_report(
     _write_csv(runs, out_dir / "results.csv")
     plots = write_plots(main, out_dir, variant_order(main))
     study = Study(main, distributed if one_process else [], list(failures))
-    text = markdown(study, title, plots, sweep_wall_time_s)
+    before = None
+    if earlier is not None:
+        name, earlier_runs = earlier
+        emulated = [r for r in earlier_runs if not _distributed(r)]
+        before = (name, Study(emulated, [], []))
+    text = markdown(study, title, plots, sweep_wall_time_s, before)
     if (out_dir / NOTES).exists():
         text += (
             f"\nHow the study was designed and more observations, by hand: [{NOTES}]({NOTES}).\n"
@@ -70,8 +77,14 @@ def _write_csv(runs: list[Run], path: Path) -> None:
             writer.writerow(run.row())
 
 
-def markdown(study: Study, title: str, plots: list[str], wall_time_s: float | None) -> str:
-    """The whole README.md of ``study``."""
+def markdown(
+    study: Study,
+    title: str,
+    plots: list[str],
+    wall_time_s: float | None,
+    earlier: tuple[str, Study] | None = None,
+) -> str:
+    """The whole README.md of ``study`` (and its claims beside ``earlier``'s)."""
     runs = study.runs + study.ddp
     any_run = study.runs[0]
     seeds = sorted({r["seed"] for r in study.runs})
@@ -95,6 +108,11 @@ def markdown(study: Study, title: str, plots: list[str], wall_time_s: float | No
     lines += tables.paired_section(study)
     lines += tables.recovery_section(study)
     lines += tables.loss_table(study)
+    lines += convergence.speed_section(study)
+    lines += convergence.batch_stats_section(study)
+    lines += convergence.accumulation_section(study)
+    if earlier is not None:
+        lines += convergence.survival_section(study, earlier[1], earlier[0])
     if study.ddp:
         lines += tables.cost_section(study)
         lines += tables.spot_check_section(study)
