@@ -340,13 +340,14 @@ def accumulate_section(report: dict, results: list[dict]) -> str:
 One device accumulating {k} micro-batches (`parallel=single trainer.accumulate={k} bn=bn`)
 against the emulation of {k} devices (`parallel=emulated parallel.devices={k} bn=bn`), in
 float64: micro-batch k holds the {64 // k} images of device k's slice, so per-device
-BatchNorm normalises the same images together in both. The loss at every step and the
-{trains["tensors"]} parameters and SGD momentum buffers agree to **{trains["worst"]:.1e}**,
-{verdict} the {tolerance:.0e} required. The one difference is the BatchNorm buffers, left
-out of that comparison: `running_mean` and `running_var` differ by up to {stats:.1e} and
-`num_batches_tracked` is {ours} against {theirs}. Accumulation updates the running
-statistics once per micro-batch, from every device's slice in turn, {k} times a step; the
-emulation, as DDP, keeps device 0's, updated once a step from its slice. With
+BatchNorm normalises the same images together in both. The loss at every step and all
+{trains["tensors"]} tensors of parameters and SGD momentum buffers agree to
+**{trains["worst"]:.1e}**, {verdict} the {tolerance:.0e} required. The one difference is
+the BatchNorm buffers, left out of that comparison: `running_mean` and `running_var`
+differ by up to {stats:.1e} and `num_batches_tracked` is {ours} against {theirs}.
+Accumulation updates the running statistics once per micro-batch, from every device's slice
+in turn, {k} times a step; the emulation, as DDP, keeps device 0's, updated once a step from
+its slice. With
 `bn.momentum=null` (cumulative averages, in which every update weighs alike) accumulation's
 running statistics are therefore the mean over the {k} devices of each device's own, which
 the emulation computes with `parallel.dist_bn=reduce parallel.broadcast_buffers=false`: the
