@@ -55,7 +55,7 @@ def _relative(actual: Any, expected: Any) -> float:
     return float((a - b).abs().max()) / (scale if scale > 0 else 1.0)
 
 
-def _checkpoint_tensors(run_dir: Path) -> dict[str, Any]:
+def checkpoint_tensors(run_dir: Path) -> dict[str, Any]:
     """Every tensor of ``checkpoints/last.pt`` that training produced: the model's state and
     the optimizer's per-parameter state (e.g. SGD momentum buffers)."""
     import torch
@@ -78,21 +78,29 @@ def _train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in records if isinstance(r["epoch"], float)}
 
 
-def run_difference(run_a: Path, run_b: Path) -> dict[str, Any]:
+def run_difference(run_a: Path, run_b: Path, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
     """How far two training runs are apart: the worst relative difference of the per-step
     training loss (``loss``, over steps; ``loss_step`` is where), and of the tensors of
     ``checkpoints/last.pt`` (``checkpoint``, normwise per tensor; ``checkpoint_tensor``).
 
-    Runs that logged different steps or saved different tensors raise AssertionError.
+    Tensors whose name ends with one of ``leave_out`` (e.g. ``running_mean``) are not part of
+    ``checkpoint``; ``left_out`` holds, for each of those endings, the worst relative
+    difference of its tensors. Runs that logged different steps or saved different tensors
+    raise AssertionError.
     """
     losses_a, losses_b = _train_losses(run_a), _train_losses(run_b)
     if sorted(losses_a) != sorted(losses_b) or not losses_a:
         raise AssertionError(f"logged steps differ: {sorted(losses_a)} vs {sorted(losses_b)}")
     loss = {step: _relative(losses_a[step], losses_b[step]) for step in losses_a}
-    tensors_a, tensors_b = _checkpoint_tensors(run_a), _checkpoint_tensors(run_b)
+    tensors_a, tensors_b = checkpoint_tensors(run_a), checkpoint_tensors(run_b)
     if sorted(tensors_a) != sorted(tensors_b):
         raise AssertionError(f"checkpoint tensors differ: {sorted(tensors_a ^ tensors_b)}")
     tensors = {name: _relative(tensors_a[name], tensors_b[name]) for name in tensors_a}
+    left_out = {
+        ending: max(d for name, d in tensors.items() if name.endswith(ending))
+        for ending in leave_out
+    }
+    tensors = {name: d for name, d in tensors.items() if not name.endswith(tuple(leave_out))}
     loss_step = max(loss, key=loss.get)
     worst_tensor = max(tensors, key=tensors.get)
     return {
@@ -103,4 +111,5 @@ def run_difference(run_a: Path, run_b: Path) -> dict[str, Any]:
         "checkpoint_tensor": worst_tensor,
         "tensors": len(tensors),
         "worst": max(loss[loss_step], tensors[worst_tensor]),
+        **({"left_out": left_out} if leave_out else {}),
     }

@@ -122,10 +122,15 @@ def _work(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[
     splits = build_datasets(cfg.data)
     for split in (splits.train, splits.val, splits.test):
         split.set_dtype(dtype)
-    splits.train.set_devices(rt.local_device_ranks)  # augmentation: one stream per device
     per_device = shape.per_device_batch_size
     train_batches = train_loader(
-        splits.train, rt, per_device, t.seed, t.num_workers, t.get("overfit_batches")
+        splits.train,
+        rt,
+        per_device,
+        t.seed,
+        t.num_workers,
+        t.get("overfit_batches"),
+        accumulate=t.accumulate,
     )
     _, steps = step_counts(t, len(train_batches))  # the Trainer's total_steps
     norm = norm_layer(cfg.bn, shape.device_slices, training_batches=steps * t.accumulate)

@@ -77,7 +77,7 @@ def test_a_hung_rank_ends_the_run_after_the_collective_timeout(tmp_path):
 
 
 def test_a_user_error_inside_the_ranks_is_raised_once_as_itself(tmp_path):
-    # 20 images over 2 devices: one batch of 8 per device, but accumulate=2 needs two
+    # 20 images over 2 devices x 2 micro-batches: 5 for each micro-batch of 8, no full step
     cfg = compose_config([*DDP, "data.num_train=20", "trainer.accumulate=2"])
     with pytest.raises(ConfigError, match="gives no full step"):
         run(cfg, tmp_path)

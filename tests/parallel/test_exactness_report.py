@@ -1,6 +1,7 @@
 """The exactness proof: the committed figures of scripts/prove_exactness.py (default MNIST
-resnet8, 20 steps, real gloo DDP against the emulation) and, on every run of the suite, one
-fp64 pair re-proven on a smaller slice through the real CLI."""
+resnet8, 20 steps, real gloo DDP against the emulation, gradient accumulation against more
+emulated devices) and, on every run of the suite, one fp64 pair re-proven on a smaller slice
+through the real CLI."""
 
 import json
 import re
@@ -25,15 +26,21 @@ def report():
     return json.loads((REPORT / "results.json").read_text())
 
 
-def test_the_report_records_what_produced_it(report):
-    assert re.fullmatch(r"[0-9a-f]{40}", report["meta"]["git_commit"])
-    assert report["meta"]["torch"] and report["meta"]["machine"]["cpu"]
+def section(report, name):
+    return [r for r in report["results"] if r["section"] == name]
+
+
+def test_the_report_records_what_produced_each_section(report):
+    assert set(report["sections"]) == {"ddp", "accumulate"}
+    for ran in report["sections"].values():
+        assert re.fullmatch(r"[0-9a-f]{40}", ran["meta"]["git_commit"])
+        assert ran["meta"]["torch"] and ran["meta"]["machine"]["cpu"]
+        assert ran["command"].startswith("python scripts/prove_exactness.py")
     assert report["steps"] == 20 and report["tolerance"] == 1e-9
-    assert report["command"].startswith("python scripts/prove_exactness.py")
 
 
 def test_every_fp64_pair_is_within_1e9_at_every_step_and_in_every_tensor(report):
-    exact = {r["name"]: r for r in report["results"] if r["kind"] == "exact"}
+    exact = {r["name"]: r for r in section(report, "ddp") if r["kind"] == "exact"}
     assert set(exact) == FP64_PAIRS
     for name, r in exact.items():
         assert len(r["loss_by_step"]) == 20, name
@@ -43,9 +50,9 @@ def test_every_fp64_pair_is_within_1e9_at_every_step_and_in_every_tensor(report)
 
 
 def test_fp32_ddp_against_emulation_stays_inside_the_measured_noise_floor(report):
-    floors = [r for r in report["results"] if r["kind"] == "floor"]
-    fp32 = [r for r in report["results"] if r["kind"] == "fp32"]
-    exact = [r for r in report["results"] if r["kind"] == "exact"]
+    floors = [r for r in section(report, "ddp") if r["kind"] == "floor"]
+    fp32 = [r for r in section(report, "ddp") if r["kind"] == "fp32"]
+    exact = [r for r in section(report, "ddp") if r["kind"] == "exact"]
     floor = report["fp32_noise_floor"]
     assert report["margin"] == 3.0
     for metric in ("loss", "checkpoint"):
@@ -59,11 +66,31 @@ def test_fp32_ddp_against_emulation_stays_inside_the_measured_noise_floor(report
     assert report["missed"] == []
 
 
+def test_accumulation_equals_more_devices_but_for_the_running_statistics(report):
+    """One device with trainer.accumulate=4 against emulated N=4: the loss at every step,
+    the parameters and momentum buffers within 1e-9; the BN buffers left out differ (K
+    updates a step from every slice against device 0's once a step); with cumulative
+    averages, the running statistics equal the mean of every device's own."""
+    trains, averages = section(report, "accumulate")
+    for r in (trains, averages):
+        assert r["kind"] == "exact" and r["precision"] == "fp64", r["name"]
+        assert len(r["loss_by_step"]) == 20 and max(r["loss_by_step"]) <= 1e-9, r["name"]
+        assert r["checkpoint"] <= 1e-9, r["name"]
+        assert r["num_batches_tracked"] == [4 * 20, 20], r["name"]
+    assert "parallel.devices=4" in trains["b"] and "trainer.accumulate=4" in trains["a"]
+    assert set(trains["left_out"]) == {"running_mean", "running_var", "num_batches_tracked"}
+    assert min(trains["left_out"]["running_mean"], trains["left_out"]["running_var"]) > 1e-3
+    assert set(averages["left_out"]) == {"num_batches_tracked"}
+    assert averages["tensors"] == trains["tensors"] + 18  # 9 BN layers' running_mean, _var
+    assert "bn.momentum=null" in averages["a"] and "parallel.dist_bn=reduce" in averages["b"]
+
+
 def test_the_readme_states_the_figures_of_the_json(report):
     text = (REPORT / "README.md").read_text()
-    worst = max(r["worst"] for r in report["results"] if r["kind"] == "exact")
+    worst = max(r["worst"] for r in section(report, "ddp") if r["kind"] == "exact")
     assert f"**{worst:.1e}**" in text
     assert f"**{report['fp32_noise_floor']['loss']:.1e}**" in text
+    assert f"**{section(report, 'accumulate')[0]['worst']:.1e}**" in text
     assert "NOT within" not in text
 
 
@@ -129,6 +156,9 @@ def test_run_difference_finds_the_worst_step_and_tensor(tmp_path):
     assert diff["checkpoint"] == pytest.approx(4e-5 / 4.0)  # normwise: max |a-b| / max |b|
     assert diff["worst"] == diff["checkpoint"] and diff["tensors"] == 2
     assert run_difference(a, a)["worst"] == 0.0
+    left = run_difference(a, b, leave_out=("w",))  # names ending in "w": model.w
+    assert left["checkpoint_tensor"] == "optimizer.0.momentum_buffer" and left["tensors"] == 1
+    assert left["left_out"] == {"w": diff["checkpoint"]} and left["worst"] == diff["loss"]
     short = fake_run(tmp_path / "c", [2.0, 1.0], w, m)
     with pytest.raises(AssertionError, match="logged steps differ"):
         run_difference(a, short)

@@ -11,9 +11,12 @@ Augmentation randomness: each device's slice of a batch is augmented from its ow
 draws of a batch therefore depend on nothing that came before it: not on the DataLoader's
 workers, and not on where a run resumed within an epoch (a mid-epoch checkpoint needs no
 augmentation state). ``set_epoch(epoch)`` (call it next to ``DistributedSampler.set_epoch``)
-selects the epoch's draws. The device is the distributed rank, unless ``set_devices`` says
-that each batch is the per-device batches of several devices (the emulation of N devices,
-DataParallel): then slice d of a batch is augmented as device d's own rank would augment it.
+selects the epoch's draws. The devices are those the batch's indices name
+(:class:`DeviceBatch`, what ``parallel.sampling.DeviceBatchSampler`` yields: the per-device
+batches of several devices under emulation and DataParallel, micro-batch k standing for
+device ``d + devices * k`` under gradient accumulation), so slice d of a batch is augmented as
+that device's own rank would augment it; indices that name none are one device's, the
+distributed rank's.
 """
 
 from __future__ import annotations
@@ -40,6 +43,15 @@ class Augmentation:
     @property
     def enabled(self) -> bool:
         return self.crop_padding > 0 or self.hflip
+
+
+class DeviceBatch(list):
+    """The sample indices of one batch, and the devices whose equal, consecutive slices it
+    holds, in order."""
+
+    def __init__(self, indices: Sequence[int], devices: Sequence[int]) -> None:
+        super().__init__(indices)
+        self.devices = tuple(int(d) for d in devices)
 
 
 def _distributed_rank() -> int:
@@ -95,7 +107,6 @@ class ImageDataset(Dataset):
         self.augmentation = augmentation or Augmentation()
         self.seed = int(seed)
         self.epoch = 0
-        self.devices: tuple[int, ...] | None = None
 
     # -- what subclasses provide -------------------------------------------------------------
     def _load(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,21 +136,17 @@ class ImageDataset(Dataset):
         """Choose the augmentation seed."""
         self.seed = int(seed)
 
-    def set_devices(self, devices: Sequence[int] | None) -> None:
-        """Each batch is the equal per-device batches of these global devices, in order
-        (``Runtime.local_device_ranks``); None = one device, the distributed rank."""
-        self.devices = None if devices is None else tuple(int(d) for d in devices)
-
     def _generator(self, device: int, first_index: int) -> torch.Generator:
         """The draws of ``device``'s slice that starts with sample ``first_index``."""
         return torch.Generator().manual_seed(mix_seed((self.seed, self.epoch, device, first_index)))
 
     # -- batch construction --------------------------------------------------------------------
-    def _augment_devices(self, images: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def _augment_devices(
+        self, images: torch.Tensor, index: torch.Tensor, devices: Sequence[int]
+    ) -> torch.Tensor:
         """Each device's slice of the batch augmented from that device's generator for the
         slice (a batch that does not split evenly, e.g. a single item, is the first
         device's)."""
-        devices = self.devices if self.devices is not None else (_distributed_rank(),)
         if len(devices) == 1 or images.shape[0] % len(devices):
             return self._augment(images, self._generator(devices[0], int(index[0])))
         size = images.shape[0] // len(devices)
@@ -173,14 +180,20 @@ class ImageDataset(Dataset):
         out = torch.gather(flat, 2, flat_index.expand(b, flat.shape[1], h * w))
         return out.view(b, -1, h, w)
 
-    def batch(self, indices: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stacked ``(images B x C x H x W of self.dtype, labels int64 B)`` for ``indices``."""
+    def batch(
+        self, indices: Sequence[int] | torch.Tensor, devices: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stacked ``(images B x C x H x W of self.dtype, labels int64 B)`` for ``indices``,
+        the equal slices of ``devices`` (default: the devices a :class:`DeviceBatch` names,
+        else the distributed rank)."""
+        if devices is None:
+            devices = getattr(indices, "devices", None) or (_distributed_rank(),)
         index = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
         if index.numel() and index.min() < 0:  # Python-style negative indices
             index = torch.where(index < 0, index + len(self), index)
         images, labels = self._load(index)
         if self.augments:
-            images = self._augment_devices(images, index)
+            images = self._augment_devices(images, index, devices)
         out = images.to(self.dtype).mul_(self._scale).add_(self._shift)
         return out, labels
 

@@ -4,6 +4,16 @@ A real DDP rank and an emulating process both draw their batches from the same f
 device ``d`` gets DistributedSampler(num_replicas=total_devices, rank=d) indices, cut into
 per-device batches; a process holding several devices concatenates its devices' batches in
 device order. So slice d of an emulated global batch i is exactly rank d's batch i.
+
+Gradient accumulation (``trainer.accumulate=K``) splits every device's step into K
+micro-batches as K times more devices would split it: micro-batch k of device d is the batch
+of device ``d + total_devices * k`` of a run with ``total_devices * K`` devices
+(DistributedSampler(num_replicas=total_devices * K, rank=d + total_devices * k)). A device's
+K micro-batches hold the images its DistributedSampler shard gives it for the step, dealt
+out in turn (up to where the two samplers pad at the end of an epoch); so
+accumulating K micro-batches on D devices feeds every image to the slice it takes in a run of
+D x K devices. Every batch says which devices its slices are (:class:`DeviceBatch`), for the
+augmentation streams.
 """
 
 from __future__ import annotations
@@ -14,11 +24,14 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from syncbn_lab.data.image_dataset import DeviceBatch
 from syncbn_lab.parallel.context import Runtime
 
 
 class DeviceBatchSampler(Sampler[list[int]]):
-    """Yields this process's batches: per-device batches of its devices, concatenated.
+    """Yields this process's batches: per-device batches of its devices, concatenated, each
+    a :class:`DeviceBatch` naming the devices of its slices; with ``accumulate`` K, K
+    micro-batches per step (see the module's docstring).
 
     The last incomplete per-device batch is dropped (every device takes the same number
     of optimizer steps, as with DataLoader(drop_last=True) under DDP).
@@ -32,31 +45,45 @@ class DeviceBatchSampler(Sampler[list[int]]):
         device_ranks: list[int],
         seed: int,
         shuffle: bool = True,
+        accumulate: int = 1,
     ):
         self.per_device_batch_size = per_device_batch_size
+        self.accumulate = accumulate
         self.start = 0
+        # micro-batch k's devices, in a run of total_devices x accumulate devices
+        self.devices = [[r + total_devices * k for r in device_ranks] for k in range(accumulate)]
         self.samplers = [
-            DistributedSampler(
-                dataset, num_replicas=total_devices, rank=r, shuffle=shuffle, seed=seed
-            )
-            for r in device_ranks
+            [
+                DistributedSampler(
+                    dataset,
+                    num_replicas=total_devices * accumulate,
+                    rank=d,
+                    shuffle=shuffle,
+                    seed=seed,
+                )
+                for d in devices
+            ]
+            for devices in self.devices
         ]
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """The batches of ``epoch``, from batch ``start`` on (a run resumed within an epoch);
         ``len`` stays the epoch's number of batches."""
         self.start = start
-        for sampler in self.samplers:
+        for sampler in itertools.chain.from_iterable(self.samplers):
             sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
-        return self.samplers[0].num_samples // self.per_device_batch_size
+        steps = self.samplers[0][0].num_samples // self.per_device_batch_size
+        return steps * self.accumulate
 
-    def __iter__(self) -> Iterator[list[int]]:
-        shards = [list(sampler) for sampler in self.samplers]
+    def __iter__(self) -> Iterator[DeviceBatch]:
+        shards = [[list(sampler) for sampler in micro] for micro in self.samplers]
         b = self.per_device_batch_size
         for i in range(self.start, len(self)):
-            yield [index for shard in shards for index in shard[i * b : (i + 1) * b]]
+            step, k = divmod(i, self.accumulate)
+            batch = [index for shard in shards[k] for index in shard[step * b : (step + 1) * b]]
+            yield DeviceBatch(batch, self.devices[k])
 
 
 class ShardSampler(Sampler[int]):
@@ -99,11 +126,17 @@ def train_loader(
     seed: int,
     num_workers: int,
     overfit_batches: int | None = None,
+    accumulate: int = 1,
 ) -> DataLoader:
-    """This process's training batches; with ``overfit_batches``, only the first that many,
-    repeated every epoch."""
+    """This process's training batches (``accumulate`` micro-batches per optimizer step);
+    with ``overfit_batches``, only the first that many, repeated every epoch."""
     sampler: Sampler[list[int]] = DeviceBatchSampler(
-        dataset, per_device_batch_size, rt.total_devices, rt.local_device_ranks, seed
+        dataset,
+        per_device_batch_size,
+        rt.total_devices,
+        rt.local_device_ranks,
+        seed,
+        accumulate=accumulate,
     )
     if overfit_batches is not None:
         sampler = RepeatedBatches(sampler, overfit_batches)
