@@ -79,16 +79,17 @@ def test_cfg_job_prints_composed_config(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "experiment,dataset,seeds,step",
+    "experiment,dataset,variants,seeds,step",
     [
-        ("bn_vs_syncbn", "fashion_mnist", 4, ("bf16", True)),  # reports/fast_vs_fp32/
-        ("bn_vs_syncbn_mnist", "mnist", 3, ("fp32", False)),
+        ("bn_vs_syncbn", "fashion_mnist", "bn", 3, ("bf16", True)),  # reports/fast_vs_fp32/
+        ("bn_vs_syncbn_1epoch", "fashion_mnist", "bn,sync", 4, ("bf16", True)),
+        ("bn_vs_syncbn_mnist", "mnist", "bn,sync", 3, ("fp32", False)),
     ],
 )
-def test_study_experiments(experiment, dataset, seeds, step):
-    """The two studies: the experiment names its dataset and study, emulates devices at a
-    fixed global batch, trains in its precision and layout, and its sweep grid is bn and
-    sync x 1 ... 64 devices x the seeds."""
+def test_study_experiments(experiment, dataset, variants, seeds, step):
+    """The CPU studies: the experiment names its dataset and study, emulates devices at a
+    fixed global batch, trains in its precision and layout, and its sweep grid is its
+    variants x 1 ... 64 devices x the seeds."""
     cfg = compose_config([f"experiment={experiment}"])
     assert (cfg.data.name, cfg.model.name, cfg.parallel.name) == (dataset, "resnet8", "emulated")
     assert cfg.study == experiment and cfg.trainer.global_batch_size == 64
@@ -96,6 +97,6 @@ def test_study_experiments(experiment, dataset, seeds, step):
     assert (cfg.trainer.precision, cfg.trainer.channels_last) == step
     validate(cfg)
     grid = OmegaConf.load(Path(CONFIG_DIR) / "experiment" / f"{experiment}.yaml").hydra.sweeper
-    assert grid.params.bn == "bn,sync"
+    assert grid.params.bn == variants
     assert grid.params["parallel.devices"] == "1,2,4,8,16,32,64"
     assert len(str(grid.params["trainer.seed"]).split(",")) == seeds
