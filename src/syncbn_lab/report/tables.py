@@ -284,7 +284,47 @@ def anchors_section(study: Study) -> list[str]:
             + ("" if math.isnan(rec) else f" ({100 * rec:.0f} % recovered)")
             + " |"
         )
+    lines += _remedy_anchor(study, cited["group_norm_remedies"])
+    lines += _batch_anchor(study, cited["rethinking_batch"])
     return lines
+
+
+def _unconfirmed(paper: dict) -> str:
+    return "" if paper.get("confirmed", True) else " (not confirmed from the paper itself)"
+
+
+def _remedy_anchor(study: Study, paper: dict) -> list[str]:
+    """Wu & He's remedies at their small per-GPU batch beside the same variants here."""
+    b = paper["images_per_device"]
+    here = []
+    for name in paper["errors"]:
+        members = study.cells.get((name, b)) or [r for r in study.per_sample_runs
+                                                  if r[GROUP] == name]  # fmt: skip
+        if members:
+            here.append(f"{name} {mean_std([r.test_error for r in members])[0]:.2f} %")
+    if not here:
+        return []
+    theirs = ", ".join(f"{k} {v} %" for k, v in paper["errors"].items())
+    return [
+        f"| {paper['source']}{_unconfirmed(paper)} | {paper['setting']} | error {theirs} | "
+        f"at {b} images per device: {', '.join(here)} |"
+    ]
+
+
+def _batch_anchor(study: Study, paper: dict) -> list[str]:
+    """Wu & Johnson's best normalisation batch and PreciseBN's sample count, beside the
+    best per-device batch here and PreciseBN's change at the largest."""
+    deltas = study.against_largest(study.baseline)
+    cell = study.cells.get((study.baseline, study.largest), [])
+    if not deltas or not cell:
+        return []
+    best = min(deltas, key=lambda b: deltas[b].mean)
+    precise = mean_std([r.test_error_precise_bn - r.test_error for r in cell])[0]
+    return [
+        f"| {paper['source']}{_unconfirmed(paper)} | {paper['setting']} | {paper['finding']} | "
+        f"lowest mean error at {best} images per device ({fmt_paired(deltas[best])} pp against "
+        f"{study.largest}); PreciseBN minus EMA at {study.largest}: {precise:+.2f} pp |"
+    ]
 
 
 def _machine(runs: list[Run]) -> str:
