@@ -5,9 +5,12 @@ Runs one Hydra multirun of ``experiment=bn_vs_syncbn`` (the study's model, data 
 configuration, two jobs at a time) over the lengths, device counts and seeds, into --sweep-dir;
 runs that finished there before are kept (``skip_finished``), so the same command finishes
 an interrupted calibration. --report-only writes the report from the sweep dirs as they are
-(several: lengths added later in a sweep dir of their own).
+(several: lengths added later in a sweep dir of their own); --with-csv adds the runs of an
+earlier calibration's results.csv (whose run dirs are gone).
 
     python scripts/calibrate_epochs.py [--epochs 1 2 4 8] [--seeds 0 1] [--devices 1 32]
+    python scripts/calibrate_epochs.py --epochs 16 --sweep-dir multirun/calibration_epochs/16ep \
+        --with-csv reports/calibration_epochs/results.csv
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 
 from syncbn_lab.provenance import provenance
 from syncbn_lab.report.calibration import COLUMNS, render
-from syncbn_lab.report.collect import collect_runs
+from syncbn_lab.report.collect import collect_runs, runs_from_csv
 from syncbn_lab.report.fast import study_noise_floor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +44,9 @@ def main() -> None:
     )
     parser.add_argument("--report", type=Path, default=ROOT / "reports/calibration_epochs")
     parser.add_argument("--report-only", action="store_true", help="do not train; report")
+    parser.add_argument(
+        "--with-csv", type=Path, nargs="*", default=[], help="earlier results.csv to include"
+    )
     args = parser.parse_args()
     started = time.monotonic()
     if not args.report_only:
@@ -53,6 +59,7 @@ def main() -> None:
             check=True,
         )  # fmt: skip
     runs = [run.summary for run in collect_runs(*args.sweep_dir)]
+    runs += [run.summary for csv_file in args.with_csv for run in runs_from_csv(csv_file)]
     args.report.mkdir(parents=True, exist_ok=True)
     with open(args.report / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
@@ -62,15 +69,15 @@ def main() -> None:
     machine = provenance()["machine"]
     commits = sorted({r.get("git_commit") or "?" for r in runs})
     floor = study_noise_floor(ROOT / "reports/bn_vs_syncbn_1epoch/results.csv")["test_error"]
-    wall = sum(r["wall_time_s"] for r in runs)
+    training = sum(r["train_time_s"] for r in runs)
     text = render(
         runs,
         floor,
         {
-            "command": "python scripts/calibrate_epochs.py",
+            "command": " ".join(["python scripts/calibrate_epochs.py", *sys.argv[1:]]),
             "commit": ", ".join(commits),
             "machine": f"{machine['cpu']} ({machine['cores']} cores)",
-            "wall": f"{wall / 60:.0f} min of run time in all, two runs at a time",
+            "wall": f"{training / 60:.0f} min of training time in all, two runs at a time",
         },
     )
     (args.report / "README.md").write_text(text)

@@ -161,7 +161,7 @@ def _curves(metrics: Path) -> tuple[list[tuple[int, float]], list[tuple[int, flo
 
 
 INTEGER_COLUMNS = {"devices", "accumulate", "per_device_batch_size", "normalization_batch_size",
-                   "global_batch_size", "seed", "steps"}  # fmt: skip
+                   "global_batch_size", "seed", "steps", "epochs"}  # fmt: skip
 TEXT_COLUMNS = {GROUP, "parallel", "git_commit", "run_dir"}
 
 
