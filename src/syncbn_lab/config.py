@@ -113,7 +113,7 @@ def validate(cfg: DictConfig) -> RunShape:
         )
     norm = _check_components(cfg)
     _check_callbacks(t.get("callbacks"))
-    for key in ("channels_last", "compile"):
+    for key in ("channels_last", "compile", "eval_batch_stats"):
         if not isinstance(t.get(key, False), bool):
             raise ConfigError(f"trainer.{key}={t.get(key)} must be true or false")
     norm.check(cfg, parallel, device)

@@ -24,6 +24,7 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
 from syncbn_lab.engine import checkpoint, compute, preemption
+from syncbn_lab.engine.batch_stats import batch_statistics
 from syncbn_lab.engine.evaluate import evaluate
 from syncbn_lab.engine.optim import lr_factor
 from syncbn_lab.engine.precise_bn import update_bn_stats
@@ -40,6 +41,8 @@ class Loaders:
     train: DataLoader
     val: DataLoader
     test: DataLoader
+    # the test set in whole groups of the normalisation batch (trainer.eval_batch_stats)
+    test_groups: DataLoader | None = None
 
 
 @dataclass
@@ -376,13 +379,29 @@ class Trainer:
             "step_time_s": self.train_time / max(state.step, 1),
             **traffic,  # DDP: bytes this rank handed to collectives per training step
         }
+        if cfg.get("eval_batch_stats"):
+            result.update(self.batch_stats(test))
         if cfg.precise_bn_batches:
             result.update(self.precise_bn(test))
         return result
 
     def evaluate(self, loader: DataLoader) -> dict[str, float]:
         with self.bn_buffers.evaluation():
-            return evaluate(self.module, loader, self.rt, self.trainer_cfg.precision, self.layout)
+            return self.evaluate_module(loader)
+
+    def evaluate_module(self, loader: DataLoader) -> dict[str, float]:
+        """``loader`` through the unwrapped module as its BN buffers stand on this process."""
+        return evaluate(self.module, loader, self.rt, self.trainer_cfg.precision, self.layout)
+
+    def batch_stats(self, test_ema: dict[str, float]) -> dict[str, float]:
+        """The test set again, each group of as many test images as one norm layer's training
+        batch normalised with its own statistics (engine.batch_stats; trainer.eval_batch_stats).
+        No buffer is read or changed, so neither dist_bn nor a checkpoint takes part. A model
+        without BatchNorm has no batch statistics: the EMA numbers."""
+        loader = self.loaders.test_groups
+        with batch_statistics(self.module, loader.sampler.group) as layers:
+            test = self.evaluate_module(loader) if layers else test_ema
+        return {"test_acc_batch_stats": test["acc"], "test_loss_batch_stats": test["loss"]}
 
     def precise_bn(self, test_ema: dict[str, float]) -> dict[str, float]:
         """PreciseBN from trainer.precise_bn_batches training batches, then the test set
