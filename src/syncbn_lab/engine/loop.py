@@ -99,6 +99,7 @@ class Trainer:
         self.trainer_cfg = cfg.trainer
         self.accumulate = cfg.trainer.accumulate
         self.steps_per_epoch, self.total_steps = step_counts(cfg.trainer, len(loaders.train))
+        self.val_steps = val_steps_in_epoch(cfg.trainer.eval_every, self.steps_per_epoch)
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]
         self.state = TrainState()
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=cfg.trainer.precision == "fp16")
@@ -325,6 +326,17 @@ class Trainer:
                         )
                     p.window.zero_()
                     p.window_images, p.window_time = 0, 0.0
+                # val within the epoch (trainer.eval_every < 1), before a stop's or a due
+                # checkpoint: a run resumed from it continues after this evaluation
+                if state.step_in_epoch in self.val_steps and state.step < self.total_steps:
+                    record = {
+                        "step": state.step,
+                        "epoch": epoch + state.step_in_epoch / self.steps_per_epoch,
+                    }
+                    val = self.validate(record)
+                    self.logger.log(record)
+                    if rt.is_main:
+                        (progress.write if progress is not None else print)(_epoch_line(record))
                 if progress is not None:
                     progress.update(1)
                 if stop:
@@ -350,12 +362,8 @@ class Trainer:
                 ).item(),
                 "images_per_s": self.images_seen / max(self.train_time, 1e-9),
             }
-            if state.epoch % cfg.eval_every == 0 or finished:
-                val = self.evaluate(self.loaders.val)
-                record.update({"val/loss": val["loss"], "val/acc": val["acc"]})
-                if val["acc"] > state.best_val_acc:
-                    state.best_val_acc = val["acc"]
-                    self.save("best.pt")
+            if cfg.eval_every < 1 or state.epoch % cfg.eval_every == 0 or finished:
+                val = self.validate(record)
             self.logger.log(record)
             self.save("last.pt")
             if rt.is_main:  # stays on the screen (the progress bar does not) and in train.log
@@ -384,6 +392,16 @@ class Trainer:
         if cfg.precise_bn_batches:
             result.update(self.precise_bn(test))
         return result
+
+    def validate(self, record: dict[str, Any]) -> dict[str, float]:
+        """Evaluate on val, add val/loss and val/acc to ``record``, and write best.pt when
+        val accuracy is the best so far (every rank calls it: it may save)."""
+        val = self.evaluate(self.loaders.val)
+        record.update({"val/loss": val["loss"], "val/acc": val["acc"]})
+        if val["acc"] > self.state.best_val_acc:
+            self.state.best_val_acc = val["acc"]
+            self.save("best.pt")
+        return val
 
     def evaluate(self, loader: DataLoader) -> dict[str, float]:
         with self.bn_buffers.evaluation():
@@ -439,6 +457,21 @@ def step_counts(trainer_cfg: DictConfig, train_batches: int) -> tuple[int, int]:
     if trainer_cfg.max_steps is not None:
         total = min(total, trainer_cfg.max_steps)
     return per_epoch, total
+
+
+def val_steps_in_epoch(eval_every: float, steps_per_epoch: int) -> frozenset[int]:
+    """The optimizer steps of an epoch, counted from its start, after which val is evaluated
+    within the epoch: none for a whole number of epochs ``trainer.eval_every``; for a fraction
+    f < 1, floor(j f S) for j = 1, 2, ... while j f < 1 (S = ``steps_per_epoch``; those in
+    1 .. S - 1, each once). Every epoch's end (step S) is evaluated too: f = 0.25 with S = 781
+    evaluates after steps 195, 390, 585 and 781 of each epoch."""
+    if eval_every >= 1:
+        return frozenset()
+    steps, j = set(), 1
+    while j * eval_every < 1 - 1e-9:
+        steps.add(math.floor(j * eval_every * steps_per_epoch + 1e-9))
+        j += 1
+    return frozenset(k for k in steps if 0 < k < steps_per_epoch)
 
 
 def _instantiate_callbacks(nodes) -> list:
@@ -499,7 +532,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _epoch_line(record: dict[str, Any]) -> str:
-    parts = [f"epoch {record['epoch']}", f"step {record['step']}"]
+    parts = [f"epoch {record['epoch']:g}", f"step {record['step']}"]
     for key in ("train/loss", "train/acc", "val/loss", "val/acc", "images_per_s"):
         if key in record:
             parts.append(
