@@ -82,7 +82,7 @@ def validate(cfg: DictConfig) -> RunShape:
     positive(t.epochs, "trainer.epochs")
     positive(t.accumulate, "trainer.accumulate")
     positive(t.log_every, "trainer.log_every")
-    positive(t.eval_every, "trainer.eval_every")
+    _check_eval_every(t.eval_every)
     positive(t.eval_batch_size, "trainer.eval_batch_size")
     positive(p.devices, "parallel.devices")
     if t.max_steps is not None:
@@ -113,7 +113,7 @@ def validate(cfg: DictConfig) -> RunShape:
         )
     norm = _check_components(cfg)
     _check_callbacks(t.get("callbacks"))
-    for key in ("channels_last", "compile"):
+    for key in ("channels_last", "compile", "eval_batch_stats"):
         if not isinstance(t.get(key, False), bool):
             raise ConfigError(f"trainer.{key}={t.get(key)} must be true or false")
     norm.check(cfg, parallel, device)
@@ -183,6 +183,16 @@ def _check_components(cfg: DictConfig) -> NormVariant:
         for i, m in enumerate(milestones):
             in_range(m, f"sched.milestones[{i}]", 0.0, None, True)
     return norm
+
+
+def _check_eval_every(value) -> None:
+    """trainer.eval_every: a whole number of epochs, or a fraction of one below 1."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (number and value > 0 and (value < 1 or float(value).is_integer())):
+        raise ConfigError(
+            f"trainer.eval_every={value} must be a whole number of epochs (1, 2, ...) or a "
+            "fraction of an epoch in (0, 1), e.g. 0.25 to evaluate four times an epoch"
+        )
 
 
 def _known(group: str, name, valid) -> None:

@@ -138,10 +138,17 @@ def _work(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[
     model = model.to(rt.device, dtype, memory_format=memory_format(t.channels_last))
     parallel = parallelize(model, cfg, rt)
     optimizer = build_optimizer(cfg.optim, model)
+
+    batch = shape.normalization_batch_size  # trainer.eval_batch_stats: test in such groups
+
+    def share(split, group: int = 1):
+        return eval_loader(split, rt, t.eval_batch_size, t.num_workers, t.get("eval_images"), group)
+
     loaders = Loaders(
         train=train_batches,
-        val=eval_loader(splits.val, rt, t.eval_batch_size, t.num_workers, t.get("eval_images")),
-        test=eval_loader(splits.test, rt, t.eval_batch_size, t.num_workers, t.get("eval_images")),
+        val=share(splits.val),
+        test=share(splits.test),
+        test_groups=share(splits.test, batch) if t.get("eval_batch_stats") else None,
     )
     if len(loaders.train) < t.accumulate:
         raise ConfigError(

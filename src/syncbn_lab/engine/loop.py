@@ -24,6 +24,7 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
 from syncbn_lab.engine import checkpoint, compute, preemption
+from syncbn_lab.engine.batch_stats import batch_statistics
 from syncbn_lab.engine.evaluate import evaluate
 from syncbn_lab.engine.optim import lr_factor
 from syncbn_lab.engine.precise_bn import update_bn_stats
@@ -40,6 +41,8 @@ class Loaders:
     train: DataLoader
     val: DataLoader
     test: DataLoader
+    # the test set in whole groups of the normalisation batch (trainer.eval_batch_stats)
+    test_groups: DataLoader | None = None
 
 
 @dataclass
@@ -96,6 +99,7 @@ class Trainer:
         self.trainer_cfg = cfg.trainer
         self.accumulate = cfg.trainer.accumulate
         self.steps_per_epoch, self.total_steps = step_counts(cfg.trainer, len(loaders.train))
+        self.val_steps = val_steps_in_epoch(cfg.trainer.eval_every, self.steps_per_epoch)
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]
         self.state = TrainState()
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=cfg.trainer.precision == "fp16")
@@ -322,6 +326,17 @@ class Trainer:
                         )
                     p.window.zero_()
                     p.window_images, p.window_time = 0, 0.0
+                # val within the epoch (trainer.eval_every < 1), before a stop's or a due
+                # checkpoint: a run resumed from it continues after this evaluation
+                if state.step_in_epoch in self.val_steps and state.step < self.total_steps:
+                    record = {
+                        "step": state.step,
+                        "epoch": epoch + state.step_in_epoch / self.steps_per_epoch,
+                    }
+                    val = self.validate(record)
+                    self.logger.log(record)
+                    if rt.is_main:
+                        (progress.write if progress is not None else print)(_epoch_line(record))
                 if progress is not None:
                     progress.update(1)
                 if stop:
@@ -347,12 +362,8 @@ class Trainer:
                 ).item(),
                 "images_per_s": self.images_seen / max(self.train_time, 1e-9),
             }
-            if state.epoch % cfg.eval_every == 0 or finished:
-                val = self.evaluate(self.loaders.val)
-                record.update({"val/loss": val["loss"], "val/acc": val["acc"]})
-                if val["acc"] > state.best_val_acc:
-                    state.best_val_acc = val["acc"]
-                    self.save("best.pt")
+            if cfg.eval_every < 1 or state.epoch % cfg.eval_every == 0 or finished:
+                val = self.validate(record)
             self.logger.log(record)
             self.save("last.pt")
             if rt.is_main:  # stays on the screen (the progress bar does not) and in train.log
@@ -376,13 +387,39 @@ class Trainer:
             "step_time_s": self.train_time / max(state.step, 1),
             **traffic,  # DDP: bytes this rank handed to collectives per training step
         }
+        if cfg.get("eval_batch_stats"):
+            result.update(self.batch_stats(test))
         if cfg.precise_bn_batches:
             result.update(self.precise_bn(test))
         return result
 
+    def validate(self, record: dict[str, Any]) -> dict[str, float]:
+        """Evaluate on val, add val/loss and val/acc to ``record``, and write best.pt when
+        val accuracy is the best so far (every rank calls it: it may save)."""
+        val = self.evaluate(self.loaders.val)
+        record.update({"val/loss": val["loss"], "val/acc": val["acc"]})
+        if val["acc"] > self.state.best_val_acc:
+            self.state.best_val_acc = val["acc"]
+            self.save("best.pt")
+        return val
+
     def evaluate(self, loader: DataLoader) -> dict[str, float]:
         with self.bn_buffers.evaluation():
-            return evaluate(self.module, loader, self.rt, self.trainer_cfg.precision, self.layout)
+            return self.evaluate_module(loader)
+
+    def evaluate_module(self, loader: DataLoader) -> dict[str, float]:
+        """``loader`` through the unwrapped module as its BN buffers stand on this process."""
+        return evaluate(self.module, loader, self.rt, self.trainer_cfg.precision, self.layout)
+
+    def batch_stats(self, test_ema: dict[str, float]) -> dict[str, float]:
+        """The test set again, each group of as many test images as one norm layer's training
+        batch normalised with its own statistics (engine.batch_stats; trainer.eval_batch_stats).
+        No buffer is read or changed, so neither dist_bn nor a checkpoint takes part. A model
+        without BatchNorm has no batch statistics: the EMA numbers."""
+        loader = self.loaders.test_groups
+        with batch_statistics(self.module, loader.sampler.group) as layers:
+            test = self.evaluate_module(loader) if layers else test_ema
+        return {"test_acc_batch_stats": test["acc"], "test_loss_batch_stats": test["loss"]}
 
     def precise_bn(self, test_ema: dict[str, float]) -> dict[str, float]:
         """PreciseBN from trainer.precise_bn_batches training batches, then the test set
@@ -420,6 +457,21 @@ def step_counts(trainer_cfg: DictConfig, train_batches: int) -> tuple[int, int]:
     if trainer_cfg.max_steps is not None:
         total = min(total, trainer_cfg.max_steps)
     return per_epoch, total
+
+
+def val_steps_in_epoch(eval_every: float, steps_per_epoch: int) -> frozenset[int]:
+    """The optimizer steps of an epoch, counted from its start, after which val is evaluated
+    within the epoch: none for a whole number of epochs ``trainer.eval_every``; for a fraction
+    f < 1, floor(j f S) for j = 1, 2, ... while j f < 1 (S = ``steps_per_epoch``; those in
+    1 .. S - 1, each once). Every epoch's end (step S) is evaluated too: f = 0.25 with S = 781
+    evaluates after steps 195, 390, 585 and 781 of each epoch."""
+    if eval_every >= 1:
+        return frozenset()
+    steps, j = set(), 1
+    while j * eval_every < 1 - 1e-9:
+        steps.add(math.floor(j * eval_every * steps_per_epoch + 1e-9))
+        j += 1
+    return frozenset(k for k in steps if 0 < k < steps_per_epoch)
 
 
 def _instantiate_callbacks(nodes) -> list:
@@ -480,7 +532,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _epoch_line(record: dict[str, Any]) -> str:
-    parts = [f"epoch {record['epoch']}", f"step {record['step']}"]
+    parts = [f"epoch {record['epoch']:g}", f"step {record['step']}"]
     for key in ("train/loss", "train/acc", "val/loss", "val/acc", "images_per_s"):
         if key in record:
             parts.append(

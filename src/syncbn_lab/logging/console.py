@@ -124,6 +124,9 @@ def result_block(
         test += " (EMA statistics)"
     if "test_acc_precise_bn" in summary:
         test += f", {_percent(summary['test_acc_precise_bn'])} (PreciseBN)"
+    if "test_acc_batch_stats" in summary:
+        batch = summary.get("normalization_batch_size")
+        test += f", {_percent(summary['test_acc_batch_stats'])} (test batches of {batch})"
     rows = [
         ("test accuracy", test),
         ("best val acc", _percent(summary.get("best_val_acc"))),

@@ -87,11 +87,15 @@ class DeviceBatchSampler(Sampler[list[int]]):
 
 
 class ShardSampler(Sampler[int]):
-    """Evaluation indices of one rank: rank r takes r, r+W, ...; no padding, so every
-    sample is counted exactly once across ranks (DistributedSampler would pad)."""
+    """Evaluation indices of one rank: the indices cut into groups of ``group`` consecutive
+    ones ([0, g), [g, 2g), ..., the last one shorter when ``group`` does not divide
+    ``length``), rank r takes groups r, r+W, ...; no padding, so every sample is counted
+    exactly once across ranks (DistributedSampler would pad). With ``group=1``: r, r+W, ..."""
 
-    def __init__(self, length: int, rank: int, world_size: int):
-        self.indices = range(rank, length, world_size)
+    def __init__(self, length: int, rank: int, world_size: int, group: int = 1):
+        self.group = group
+        starts = range(rank * group, length, world_size * group)
+        self.indices = [i for start in starts for i in range(start, min(start + group, length))]
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -152,14 +156,21 @@ def train_loader(
 
 
 def eval_loader(
-    dataset: Dataset, rt: Runtime, batch_size: int, num_workers: int, limit: int | None = None
+    dataset: Dataset,
+    rt: Runtime,
+    batch_size: int,
+    num_workers: int,
+    limit: int | None = None,
+    group: int = 1,
 ) -> DataLoader:
-    """This rank's share of ``dataset`` (of its first ``limit`` images when given)."""
+    """This rank's share of ``dataset`` (of its first ``limit`` images when given), in whole
+    groups of ``group`` consecutive images (:class:`ShardSampler`); each batch holds whole
+    groups: ``batch_size`` is rounded down to a multiple of ``group`` (at least one group)."""
     length = len(dataset) if limit is None else min(limit, len(dataset))
     return DataLoader(
         dataset,
-        batch_size=batch_size,
-        sampler=ShardSampler(length, rt.rank, rt.world_size),
+        batch_size=group * max(1, batch_size // group),
+        sampler=ShardSampler(length, rt.rank, rt.world_size, group),
         num_workers=num_workers,
         pin_memory=rt.device.type == "cuda",
     )

@@ -23,8 +23,10 @@ CSV_COLUMNS = (
     "seed",
     "test_acc",
     "test_acc_precise_bn",
+    "test_acc_batch_stats",
     "test_error",
     "test_error_precise_bn",
+    "test_error_batch_stats",
     "train_loss",
     "steps",
     "step_time_s",
@@ -69,13 +71,23 @@ class Run:
 
     @property
     def test_error_precise_bn(self) -> float:
-        acc = self.summary.get("test_acc_precise_bn")
+        return self._error("test_acc_precise_bn")
+
+    @property
+    def test_error_batch_stats(self) -> float:
+        """Test error with each group of b test images normalised by its own statistics
+        (trainer.eval_batch_stats); nan for a run without it."""
+        return self._error("test_acc_batch_stats")
+
+    def _error(self, acc_key: str) -> float:
+        acc = self.summary.get(acc_key)
         return math.nan if acc is None else 100.0 - acc
 
     def row(self) -> dict[str, Any]:
         values = {**self.summary, "run_dir": self.run_dir.name}
         values["test_error"] = self.test_error
         values["test_error_precise_bn"] = self.test_error_precise_bn
+        values["test_error_batch_stats"] = self.test_error_batch_stats
         return {key: values.get(key) for key in CSV_COLUMNS}
 
 
