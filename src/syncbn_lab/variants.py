@@ -87,6 +87,14 @@ def _eps_momentum(cfg: DictConfig) -> dict:
     return {"eps": cfg.get("eps", 1e-5), "momentum": cfg.get("momentum", 0.1)}
 
 
+def _check_impl(bn: DictConfig) -> None:
+    """bn.impl, where a variant has one: auto | reference | fused."""
+    from syncbn_lab.nn.functional import IMPLS
+
+    if bn.get("impl", "auto") not in IMPLS:
+        raise ConfigError(f"bn.impl={bn.impl} is unknown; choose one of {', '.join(IMPLS)}")
+
+
 class _PerDeviceBN(NormVariant):
     """Per-device BatchNorm: torch's on one device slice, ours over several (torch's would
     normalise the whole local batch at once)."""
@@ -118,11 +126,8 @@ class _SyncBN(NormVariant):
         return per_device_batch_size * min(cfg.get("group_size") or devices, devices)
 
     def check(self, cfg, mode, device):
-        from syncbn_lab.nn.functional import IMPLS
-
         bn = cfg.bn
-        if bn.get("impl", "auto") not in IMPLS:
-            raise ConfigError(f"bn.impl={bn.impl} is unknown; choose one of {', '.join(IMPLS)}")
+        _check_impl(bn)
         if bn.get("group_size") is not None:
             positive(bn.group_size, "bn.group_size")
             if cfg.parallel.devices % bn.group_size:
@@ -172,13 +177,15 @@ class _BatchRenorm(NormVariant):
             "warmup_batches": round(cfg.warmup * training_batches),
             "ramp_batches": round(cfg.ramp * training_batches),
         }
+        impl = cfg.get("impl", "auto")
         return lambda c: BatchRenorm(
-            c, device_slices=device_slices, **_eps_momentum(cfg), **schedule
+            c, device_slices=device_slices, impl=impl, **_eps_momentum(cfg), **schedule
         )
 
     def check(self, cfg, mode, device):
-        """The limits, the schedule's fractions, and the emulation's one limitation."""
+        """bn.impl, the limits, the schedule's fractions, and the emulation's one limitation."""
         bn, p = cfg.bn, cfg.parallel
+        _check_impl(bn)
         for key in ("rmax", "dmax", "warmup", "ramp"):
             value = bn.get(key)
             if isinstance(value, bool) or not isinstance(value, int | float):

@@ -15,6 +15,12 @@ it is BatchNorm. docs/batchnorm.md §9 derives the backward and points at the li
 The limits follow a schedule counted in training batches (``num_batches_tracked``, so it
 is saved in the state dict and survives a resume): rmax = 1 and dmax = 0 for the first
 ``warmup_batches``, then a linear ramp over ``ramp_batches`` to their final values.
+
+``impl`` as BatchNorm's: "reference" runs the torch ops below; "fused" runs the kernels of
+``syncbn_lab._C`` that SyncBN's multi-slice path uses (``ops.local_stats``, then
+``ops.forward_elemt`` with each slice's r and d folded into its mean and invstd;
+``ops.backward_reduce`` and ``ops.backward_elemt``), r and d coming from the (D, C)
+statistics in torch ops; "auto" (the default) takes the kernels where they are built.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from syncbn_lab.nn import functional as F
+from syncbn_lab.nn import ops
 from syncbn_lab.nn.functional import SliceShape
 from syncbn_lab.nn.sync_batchnorm import BatchNorm
 
@@ -65,10 +72,13 @@ def batch_renorm(
     eps: float,
     num_batches_tracked: Tensor | None = None,
     devices: int = 1,
+    impl: str = "auto",
 ) -> Tensor:
     """Training-mode Batch Renormalization of ``x`` seen as ``devices`` slices, each with
     its own batch statistics and the one set of running statistics (updated in place from
-    slice 0, as BatchNorm's). Arguments as :func:`syncbn_lab.nn.functional.batch_norm`."""
+    slice 0, as BatchNorm's). Arguments as :func:`syncbn_lab.nn.functional.batch_norm`
+    (``impl`` included: "auto", "reference" or "fused")."""
+    F.check_impl(impl)
     if running_mean is None or running_var is None:
         raise ValueError("Batch Renormalization needs running_mean and running_var")
     if not isinstance(rmax, Tensor) and (rmax < 1 or dmax < 0):  # tensors: from the module
@@ -82,7 +92,25 @@ def batch_renorm(
         num_batches_tracked=num_batches_tracked, training=True, momentum=momentum, eps=eps,
         devices=devices, group_size=1, comm=None,
     )  # fmt: skip
+    if impl == "fused" or (impl == "auto" and F.auto_takes_fused(x)):
+        return _fused_batch_renorm(call, rmax, dmax)
     return _BatchRenormFunction.apply(x, weight, bias, call, rmax, dmax)
+
+
+def _renorm_statistics(
+    call: F.BatchNormCall, slice_mean: Tensor, slice_m2: Tensor, n: int, rmax, dmax
+) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """Each slice's mu_B, 1/sigma_B, r and d, (D, C) float64, and the count m per slice, from
+    the slices' float64 mean and M2 of n values; updates the running statistics (from slice
+    0, after reading them for r and d). Shared by the reference and the fused path."""
+    eps, running_mean, running_var = call.eps, call.running_mean, call.running_var
+    mu = running_mean.detach().double().clone()  # the running statistics before the update
+    sigma = torch.sqrt(running_var.detach().double() + eps)  # sigma = sqrt(running_var + eps)
+    mean, var, m = F.global_moments(slice_mean, slice_m2, n, call)  # + running update
+    invstd = torch.rsqrt(var + eps)  # 1/sigma_B, (D, C) float64
+    r = (torch.sqrt(var + eps) / sigma).clamp(1 / rmax, rmax)  # r = clip(sigma_B/sigma)
+    d = ((mean - mu) / sigma).clamp(-dmax, dmax)  # d = clip((mu_B - mu)/sigma)
+    return mean, invstd, r, d, m
 
 
 class _BatchRenormFunction(torch.autograd.Function):
@@ -98,7 +126,6 @@ class _BatchRenormFunction(torch.autograd.Function):
         rmax: float,
         dmax: float,
     ) -> Tensor:
-        eps, running_mean, running_var = call.eps, call.running_mean, call.running_var
         compute = torch.float32 if x.dtype in F.HALF_TYPES else x.dtype
         shape = SliceShape(x, call.devices)
         xs = shape.view(x)
@@ -109,13 +136,7 @@ class _BatchRenormFunction(torch.autograd.Function):
         t = xs - shape.per_slice(pivot, compute)  # t = x - K, in the compute dtype
         sum_t2 = (t * t).sum(shape.reduce)
         slice_mean, slice_m2 = F.slice_moments(pivot, t.sum(shape.reduce), sum_t2, shape.n)
-        mu = running_mean.detach().double().clone()  # the running statistics before the update
-        sigma = torch.sqrt(running_var.detach().double() + eps)  # sigma = sqrt(running_var + eps)
-        mean, var, m = F.global_moments(slice_mean, slice_m2, shape.n, call)  # + running update
-
-        invstd = torch.rsqrt(var + eps)  # 1/sigma_B, (D, C) float64
-        r = (torch.sqrt(var + eps) / sigma).clamp(1 / rmax, rmax)  # r = clip(sigma_B/sigma)
-        d = ((mean - mu) / sigma).clamp(-dmax, dmax)  # d = clip((mu_B - mu)/sigma)
+        mean, invstd, r, d, m = _renorm_statistics(call, slice_mean, slice_m2, shape.n, rmax, dmax)
         offset = mean - pivot.double()
         # xhat = (x - mu_B) / sigma_B = t * invstd - (mu_B - K) * invstd
         xhat = F.scale_shift(
@@ -167,6 +188,77 @@ class _BatchRenormFunction(torch.autograd.Function):
 _NO_GRADS = (None,) * 3  # call, rmax, dmax
 
 
+def _fused_batch_renorm(call: F.BatchNormCall, rmax, dmax) -> Tensor:
+    """Batch Renormalization on the fused kernels; the reference where their float32 mean
+    is too coarse (functional.fused_stats_too_coarse, checked before the running update)."""
+    x = call.x
+    F.check_fused_runs(x)
+    _, slice_mean, slice_m2 = ops.local_stats(x.detach(), call.devices)  # fp32 (fp64 for fp64)
+    if F.fused_stats_too_coarse(call, slice_mean, slice_m2):
+        return _BatchRenormFunction.apply(x, call.weight, call.bias, call, rmax, dmax)
+    return _FusedBatchRenormFunction.apply(
+        x, call.weight, call.bias, call, rmax, dmax, slice_mean, slice_m2
+    )
+
+
+class _FusedBatchRenormFunction(torch.autograd.Function):
+    """docs/batchnorm.md §9 on the primitives of ``syncbn_lab._C``, statistics per slice.
+
+    The kernels take a per-channel weight and bias and per-slice (D, C) mean and invstd, so
+    each slice's r and d go into those: y = gamma * (r * xhat + d) + beta is
+    ``forward_elemt`` with invstd' = r / sigma_B and mean' = mu_B - d * sigma_B / r
+    ((x - mean') * invstd' = r * xhat + d). The backward reduces with the true mu_B and
+    1/sigma_B (Σdy, Σdy·xhat per slice), and ``backward_elemt`` with invstd' and mu_B, whose
+    xhat' = r * xhat, takes Σdy·xhat / r: BatchNorm's dx with scale gamma * r / sigma_B.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        call: F.BatchNormCall,
+        rmax: float,
+        dmax: float,
+        slice_mean: Tensor,
+        slice_m2: Tensor,
+    ) -> Tensor:
+        n = SliceShape(x, call.devices).n
+        mean, invstd, r, d, m = _renorm_statistics(
+            call, slice_mean.double(), slice_m2.double(), n, rmax, dmax
+        )
+        stats = slice_mean.dtype  # the kernels' float32 (float64 for float64 input)
+        invstd_r = invstd * r  # r / sigma_B
+        # y = gamma * (x - (mu_B - d * sigma_B / r)) * r / sigma_B + beta, rounded once
+        y = ops.forward_elemt(x, (mean - d / invstd_r).to(stats), invstd_r.to(stats), weight, bias)
+        ctx.save_for_backward(
+            x, weight, bias, *(t.to(stats) for t in (mean, invstd, invstd_r, r, d))
+        )
+        ctx.count = m
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y: Tensor):
+        x, weight, bias, mean, invstd, invstd_r, r, d = ctx.saved_tensors
+        need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
+        # Σdy and Σdy·xhat per slice (D, C), xhat = (x - mu_B) / sigma_B
+        sum_dy, sum_dy_xhat = ops.backward_reduce(grad_y, x, mean, invstd, weight, bias)
+        grad_weight = None  # dgamma = r*Σdy·xhat + d*Σdy (per slice, then over slices)
+        if need_weight:
+            grad_weight = (sum_dy_xhat * r + sum_dy * d).sum(0).to(weight.dtype)
+        grad_bias = sum_dy.sum(0).to(bias.dtype) if need_bias else None  # dbeta = Σdy
+        if not need_x:
+            return None, grad_weight, grad_bias, *_NO_GRADS, None, None
+        count = mean.new_full((1,), float(ctx.count))
+        # dx = gamma*r/sigma_B/m * (m*dy - Σdy - xhat*Σdy·xhat); the kernel's xhat is r*xhat
+        grad_x = ops.backward_elemt(
+            grad_y, x, mean, invstd_r, weight, bias, sum_dy, sum_dy_xhat / r, count
+        )
+        return grad_x, grad_weight, grad_bias, *_NO_GRADS, None, None  # slice_mean, slice_m2
+
+
 class BatchRenorm(BatchNorm):
     """Batch Renormalization with torch's BatchNorm constructor and state-dict keys.
 
@@ -182,6 +274,7 @@ class BatchRenorm(BatchNorm):
             final values (0: at once). Defaults: the paper's 5,000 and 35,000 (rmax reaches
             3 after 40,000 steps).
     The schedule counts ``num_batches_tracked`` (a buffer, saved with the model).
+    ``impl``: as BatchNorm's ("auto": the fused kernels where built; eval runs the reference).
     """
 
     def __init__(
@@ -196,6 +289,7 @@ class BatchRenorm(BatchNorm):
         *,
         bias: bool = True,
         device_slices: int = 1,
+        impl: str = "auto",
         rmax: float = 3.0,
         dmax: float = 5.0,
         warmup_batches: int = 5_000,
@@ -214,7 +308,7 @@ class BatchRenorm(BatchNorm):
             )
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, device, dtype,
-            bias=bias, impl="reference", device_slices=device_slices,
+            bias=bias, impl=impl, device_slices=device_slices,
         )  # fmt: skip
         self.rmax, self.dmax = float(rmax), float(dmax)
         self.warmup_batches, self.ramp_batches = int(warmup_batches), int(ramp_batches)
@@ -259,11 +353,13 @@ class BatchRenorm(BatchNorm):
             eps=self.eps,
             num_batches_tracked=self.num_batches_tracked,
             devices=self.device_slices,
+            impl=self.impl,
         )
 
     def extra_repr(self) -> str:
         slices = f", device_slices={self.device_slices}" if self.device_slices != 1 else ""
+        impl = f", impl={self.impl!r}" if self.impl != "auto" else ""
         return (
-            f"{_BatchNorm.extra_repr(self)}{slices}, rmax={self.rmax}, dmax={self.dmax}, "
+            f"{_BatchNorm.extra_repr(self)}{slices}{impl}, rmax={self.rmax}, dmax={self.dmax}, "
             f"warmup_batches={self.warmup_batches}, ramp_batches={self.ramp_batches}"
         )

@@ -45,7 +45,11 @@ __all__ = [
     "BatchNormCall",
     "SliceShape",
     "batch_norm",
+    "auto_takes_fused",
     "check_args",
+    "check_fused_runs",
+    "check_impl",
+    "fused_stats_too_coarse",
     "fused_unavailable_reason",
     "global_moments",
     "input_grad",
@@ -166,11 +170,16 @@ def _backend(impl: str) -> Callable[[BatchNormCall], Tensor]:
     Every implementation takes a :class:`BatchNormCall`. "fused" and "auto" decide per call:
     eval (running statistics) always runs the reference.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"unknown BatchNorm impl {impl!r}; choose one of {', '.join(IMPLS)}")
+    check_impl(impl)
     if impl == "reference":
         return _reference_batch_norm
     return _fused_batch_norm if impl == "fused" else _auto_batch_norm
+
+
+def check_impl(impl: str) -> None:
+    """Raises the one-line error of an ``impl`` that is not one of :data:`IMPLS`."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown BatchNorm impl {impl!r}; choose one of {', '.join(IMPLS)}")
 
 
 def fused_unavailable_reason(x: Tensor | None = None) -> str | None:
@@ -212,16 +221,32 @@ def _announce(choice: str, warn: bool = False) -> None:
 
 
 def _auto_batch_norm(call: BatchNormCall) -> Tensor:
-    if not call.training:
-        return _reference_batch_norm(call)
-    reason = fused_unavailable_reason(call.x)
+    if call.training and auto_takes_fused(call.x):
+        return _fused_batch_norm(call)
+    return _reference_batch_norm(call)
+
+
+def auto_takes_fused(x: Tensor) -> bool:
+    """impl="auto"'s choice for a training step on ``x`` (BatchNorm's and BatchRenorm's):
+    True when the fused kernels take it; says once per process which it runs."""
+    reason = fused_unavailable_reason(x)
     if reason is None:
         _announce("fused kernels (syncbn_lab._C)")
-        return _fused_batch_norm(call)
+        return True
     # A build without (these) kernels is worth a warning; an input they never take is not.
-    missing = not ops.available(warn=False) or call.x.device.type == "cuda"
+    missing = not ops.available(warn=False) or x.device.type == "cuda"
     _announce(f"reference ({reason})", warn=missing)
-    return _reference_batch_norm(call)
+    return False
+
+
+def check_fused_runs(x: Tensor) -> None:
+    """Raises impl="fused"'s one-line error when the kernels cannot run on ``x``."""
+    check_fused_available()
+    reason = fused_unavailable_reason(x)
+    if reason is not None:
+        raise RuntimeError(
+            f"BatchNorm impl='fused' cannot run here ({reason}); use impl='auto' or 'reference'"
+        )
 
 
 def _fused_batch_norm(call: BatchNormCall) -> Tensor:
@@ -234,40 +259,36 @@ def _fused_batch_norm(call: BatchNormCall) -> Tensor:
     """
     if not call.training:
         return _reference_batch_norm(call)
-    check_fused_available()
-    x, devices, group_size = call.x, call.devices, call.group_size
-    reason = fused_unavailable_reason(x)
-    if reason is not None:
-        raise RuntimeError(
-            f"BatchNorm impl='fused' cannot run here ({reason}); use impl='auto' or 'reference'"
-        )
-    if group_size == 1 and (call.comm is None or call.comm.world_size == 1):
+    x, devices = call.x, call.devices
+    check_fused_runs(x)
+    if call.group_size == 1 and (call.comm is None or call.comm.world_size == 1):
         return _fused_single_op(call)
     _, mean, m2 = ops.local_stats(x.detach(), devices)  # per slice, float32 (fp64 for fp64)
-    if x.dtype != torch.float64 and not torch.compiler.is_compiling():
-        # This process's part of each group: its slices' mean |mu_d| and mean variance.
-        groups, n = devices // group_size, SliceShape(x, devices).n
-        mean_abs = mean.abs().view(groups, group_size, -1).mean(1)
-        var = m2.view(groups, group_size, -1).sum(1) / max(n * group_size, 1)
-        if _fused_mean_too_coarse(mean_abs, torch.rsqrt(var + call.eps), x.dtype):
-            return _reference_batch_norm(call)  # same collectives: ranks may choose apart
+    if fused_stats_too_coarse(call, mean, m2):
+        return _reference_batch_norm(call)  # same collectives: ranks may choose apart
     return _FusedBatchNormFunction.apply(x, call.weight, call.bias, call, mean, m2)
 
 
-def _fused_mean_too_coarse(mean: Tensor, invstd: Tensor, dtype: torch.dtype) -> bool:
-    """True when |mean| * invstd > _FUSED_MEAN_LIMIT somewhere: the kernels' float32 mean
-    would move xhat by more than 2**-20.
+def fused_stats_too_coarse(call: BatchNormCall, mean: Tensor, m2: Tensor) -> bool:
+    """True when |mean| * invstd > _FUSED_MEAN_LIMIT somewhere, given the slices' mean and M2
+    from ``ops.local_stats``: the kernels' float32 mean would move xhat by more than 2**-20.
 
     Before a reduction each process checks its own part of a group (mean = the average |mu_d|
     of its slices, invstd from the average of their variances): if every process passes, so
     does the group, whose variance is at least the count-weighted average of its slices'
     (Cauchy-Schwarz then bounds the weighted |mu_d| by 16 group standard deviations), and the
     rounding of its global mean and of the slice means moves xhat by at most 2 * 2**-20. Not
-    checked under torch.compile, where a data-dependent branch would break the graph.
+    checked for float64 input (float64 statistics) nor under torch.compile, where a
+    data-dependent branch would break the graph.
     """
-    if dtype == torch.float64 or mean.numel() == 0 or torch.compiler.is_compiling():
+    x, group_size = call.x, call.group_size
+    if x.dtype == torch.float64 or mean.numel() == 0 or torch.compiler.is_compiling():
         return False
-    return (mean * invstd).abs_().max().item() > _FUSED_MEAN_LIMIT
+    # This process's part of each group: its slices' mean |mu_d| and mean variance.
+    groups, n = call.devices // group_size, SliceShape(x, call.devices).n
+    mean_abs = mean.abs().view(groups, group_size, -1).mean(1)
+    var = m2.view(groups, group_size, -1).sum(1) / max(n * group_size, 1)
+    return (mean_abs * torch.rsqrt(var + call.eps)).max().item() > _FUSED_MEAN_LIMIT
 
 
 def _fused_single_op(call: BatchNormCall) -> Tensor:

@@ -24,8 +24,7 @@ __all__ = ["BatchNorm", "SyncBatchNorm"]
 
 
 def _check_impl(impl: str) -> str:
-    if impl not in F.IMPLS:
-        raise ValueError(f"unknown BatchNorm impl {impl!r}; choose one of {', '.join(F.IMPLS)}")
+    F.check_impl(impl)
     if impl == "fused":
         F.check_fused_available()  # at construction: the one-line error, before any training
     return impl
