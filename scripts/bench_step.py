@@ -12,7 +12,10 @@ alternate the levers, so machine noise hits every column alike; the median is pr
 
 It also prints the share of this machine's float32 and bfloat16 GEMM peak (a 2048x2048
 matmul, measured in the same run) that the step reaches, from the FLOPs per image that
-torch.utils.flop_counter counts (convolutions and the classifier, forward and backward).
+torch.utils.flop_counter counts (convolutions and the classifier, forward and backward), and
+a ceiling: the same step with no normalisation at all (every norm layer an identity, bf16 +
+channels_last, in this process, no data loading), timed in the same rounds. No work on the
+norm layers, the optimizer or the data can make a variant's step faster than that.
 
     python scripts/bench_step.py [--rounds 3] [--steps 60] [--json FILE]
 """
@@ -163,16 +166,46 @@ def gemm_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
     return 2 * size**3 / best
 
 
+def resnet8(norm) -> torch.nn.Module:
+    from syncbn_lab import models
+    from syncbn_lab.config import compose
+
+    return models.build(compose(["model=resnet8"]).model, norm, 10, 1)
+
+
+def ceiling(warmup: int, steps: int) -> float:
+    """images/s of the workload's step with every norm layer an identity (bf16 autocast,
+    channels_last, SGD as the study's; synthetic batches already in memory)."""
+    model = resnet8(lambda channels: torch.nn.Identity()).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4
+    )
+    images = torch.randn(BATCH, 1, 28, 28).to(memory_format=torch.channels_last)
+    labels = torch.randint(0, 10, (BATCH,))
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    for _ in range(warmup):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps * BATCH / (time.perf_counter() - start)
+
+
 def flops_per_image() -> float:
     """Forward + backward FLOPs of one training image of the workload's model."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from syncbn_lab import models
     from syncbn_lab.config import compose
     from syncbn_lab.nn.registry import norm_layer
 
-    cfg = compose(["model=resnet8"])
-    model = models.build(cfg.model, norm_layer(cfg.bn), 10, 1)
+    model = resnet8(norm_layer(compose([]).bn))
     images = torch.randn(BATCH, 1, 28, 28)
     with FlopCounterMode(display=False) as counter:
         torch.nn.functional.cross_entropy(
@@ -208,7 +241,10 @@ def main() -> None:
     )
     samples = {(v, lever): [] for v in args.variants for lever in levers}
     warmups = {(v, lever): [] for v in args.variants for lever in levers}
+    ceilings = []
     for round_ in range(args.rounds):
+        ceilings.append(ceiling(args.warmup, args.steps))
+        print(f"  round {round_ + 1}: no normalisation (the ceiling) {ceilings[-1]:7.0f} images/s")
         for variant in args.variants:
             for lever in levers:
                 rate, warm = measure(variant, lever, args.warmup, args.steps)
@@ -222,8 +258,13 @@ def main() -> None:
     records = []
     columns = ("images/s", "x today", "fp32 peak", "bf16 peak", "warmup_s")
     print(f"{'variant':<17} {'lever':<31} " + " ".join(f"{c:>9}" for c in columns))
+    top = statistics.median(ceilings)
     for variant in args.variants:
         base = statistics.median(samples[variant, BASELINE])
+        print(
+            f"{variant:<17} {'ceiling: no normalisation':<31} {top:9.0f} {top / base:7.2f}x "
+            f"{top * flops / peaks['fp32']:9.0%} {top * flops / peaks['bf16']:9.0%}"
+        )
         for lever in levers:
             rate = statistics.median(samples[variant, lever])
             achieved = rate * flops
@@ -239,6 +280,7 @@ def main() -> None:
                 "share_of_fp32_peak": achieved / peaks["fp32"],
                 "share_of_bf16_peak": achieved / peaks["bf16"],
                 "warmup_s": statistics.median(warmups[variant, lever]),
+                "ceiling_ratio_to_today": top / base,
             }
             records.append(record)
             print(
@@ -263,6 +305,8 @@ def main() -> None:
             args.json,
             records,
             gemm_peak_flops={k: v for k, v in peaks.items()},
+            ceiling_images_per_s=top,
+            ceiling_images_per_s_rounds=ceilings,
             flops_per_image=flops,
             threads=1,
             batch=BATCH,

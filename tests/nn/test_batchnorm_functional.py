@@ -86,12 +86,13 @@ def test_gradcheck_training(shape, kwargs, affine):
     assert torch.autograd.gradcheck(f, inputs)
 
 
-def test_gradcheck_eval_with_running_stats():
+@pytest.mark.parametrize("impl", ["reference", "auto"])  # auto: torch's batch_norm in eval
+def test_gradcheck_eval_with_running_stats(impl):
     x, weight, bias, _ = _inputs((4, C, 3))
     rm, rv = torch.randn(C, dtype=torch.float64), torch.rand(C, dtype=torch.float64) + 0.5
 
     def f(x, w, b):
-        return batch_norm(x, w, b, rm, rv, training=False, momentum=0.1, eps=1e-5)
+        return batch_norm(x, w, b, rm, rv, training=False, momentum=0.1, eps=1e-5, impl=impl)
 
     assert torch.autograd.gradcheck(f, (x.requires_grad_(), weight.requires_grad_(), bias))
 
@@ -251,11 +252,15 @@ def test_empty_batch_returns_empty_and_keeps_running_stats():
 
 
 def test_eval_uses_running_statistics():
+    """The reference's eval formula against torch's batch_norm, which impl auto and fused
+    run in eval (so the two agree to rounding in float64)."""
     x, weight, bias, grad = _inputs((4, C, 3, 3))
     rm, rv = torch.randn(C, dtype=torch.float64), torch.rand(C, dtype=torch.float64) + 0.5
-    y = batch_norm(x, weight, bias, rm, rv, training=False, momentum=0.1, eps=1e-5, devices=3)
     expected = torch.nn.functional.batch_norm(x, rm, rv, weight, bias, False, 0.1, 1e-5)
-    assert error_ratio(y, expected, 1e-12, 1e-12) <= 1
+    for impl in ("reference", "auto"):
+        y = batch_norm(x, weight, bias, rm, rv, training=False, momentum=0.1, eps=1e-5,
+                       devices=3, impl=impl)  # fmt: skip
+        assert error_ratio(y, expected, 1e-12, 1e-12) <= 1
 
 
 # --- errors -----------------------------------------------------------------------------------

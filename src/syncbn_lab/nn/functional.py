@@ -168,7 +168,8 @@ def _backend(impl: str) -> Callable[[BatchNormCall], Tensor]:
     """The single dispatch point from ``impl`` to an implementation of :func:`batch_norm`.
 
     Every implementation takes a :class:`BatchNormCall`. "fused" and "auto" decide per call:
-    eval (running statistics) always runs the reference.
+    eval (running statistics, one elementwise pass) runs torch's batch_norm, which computes
+    what the reference does up to float32 rounding in one kernel.
     """
     check_impl(impl)
     if impl == "reference":
@@ -220,8 +221,18 @@ def _announce(choice: str, warn: bool = False) -> None:
         _log.info("bn impl auto -> %s", choice)
 
 
+def _eval_batch_norm(call: BatchNormCall) -> Tensor:
+    """Eval with the running statistics: torch's batch_norm, ``(x - mean) / sqrt(var + eps)
+    * weight + bias`` as the reference computes it, up to float32 rounding (tested)."""
+    return torch.nn.functional.batch_norm(
+        call.x, call.running_mean, call.running_var, call.weight, call.bias, eps=call.eps
+    )
+
+
 def _auto_batch_norm(call: BatchNormCall) -> Tensor:
-    if call.training and auto_takes_fused(call.x):
+    if not call.training:
+        return _eval_batch_norm(call)
+    if auto_takes_fused(call.x):
         return _fused_batch_norm(call)
     return _reference_batch_norm(call)
 
@@ -250,7 +261,7 @@ def check_fused_runs(x: Tensor) -> None:
 
 
 def _fused_batch_norm(call: BatchNormCall) -> Tensor:
-    """Training BN/SyncBN on the fused kernels; eval (running statistics) runs the reference.
+    """Training BN/SyncBN on the fused kernels; eval (running statistics) runs torch's.
 
     Without a reduction across slices or ranks (per-device BN, or SyncBN over one slice in one
     process) it is one differentiable op, ``syncbn_lab::batch_norm_train``, which
@@ -258,7 +269,7 @@ def _fused_batch_norm(call: BatchNormCall) -> Tensor:
     elementwise passes, and the reduction in between is the reference's own.
     """
     if not call.training:
-        return _reference_batch_norm(call)
+        return _eval_batch_norm(call)
     x, devices = call.x, call.devices
     check_fused_runs(x)
     if call.group_size == 1 and (call.comm is None or call.comm.world_size == 1):
@@ -320,12 +331,9 @@ def _fused_single_op(call: BatchNormCall) -> Tensor:
 
 def _reference_batch_norm(call: BatchNormCall) -> Tensor:
     if not call.training and torch.compiler.is_compiling():
-        # Eval under torch.compile: an elementwise pass with the running statistics, which
-        # torch's batch_norm computes as the reference does up to float32 rounding (the
-        # reference writes through out= into channels_last buffers: Dynamo cannot trace that).
-        return torch.nn.functional.batch_norm(
-            call.x, call.running_mean, call.running_var, call.weight, call.bias, eps=call.eps
-        )
+        # Eval under torch.compile: the reference writes through out= into channels_last
+        # buffers, which Dynamo cannot trace.
+        return _eval_batch_norm(call)
     # x, weight and bias go to apply() on their own: autograd tracks the tensors among its
     # arguments, not the tensors inside the call.
     return _BatchNormFunction.apply(call.x, call.weight, call.bias, call)
