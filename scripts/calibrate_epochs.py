@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import shlex
 import subprocess
 import sys
 import time
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument(
         "--with-csv", type=Path, nargs="*", default=[], help="earlier results.csv to include"
     )
+    parser.add_argument("--note", default=None, help="a sentence the report adds on the runs")
     args = parser.parse_args()
     started = time.monotonic()
     if not args.report_only:
@@ -59,7 +61,9 @@ def main() -> None:
             check=True,
         )  # fmt: skip
     runs = [run.summary for run in collect_runs(*args.sweep_dir)]
-    runs += [run.summary for csv_file in args.with_csv for run in runs_from_csv(csv_file)]
+    swept = {(r["devices"], r["epochs"], r["seed"]) for r in runs}  # a swept run wins
+    runs += [run.summary for csv_file in args.with_csv for run in runs_from_csv(csv_file)
+             if (run["devices"], run["epochs"], run["seed"]) not in swept]  # fmt: skip
     args.report.mkdir(parents=True, exist_ok=True)
     with open(args.report / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
@@ -74,12 +78,14 @@ def main() -> None:
         runs,
         floor,
         {
-            "command": " ".join(["python scripts/calibrate_epochs.py", *sys.argv[1:]]),
+            "command": shlex.join(["python", "scripts/calibrate_epochs.py", *sys.argv[1:]]),
             "commit": ", ".join(commits),
             "machine": f"{machine['cpu']} ({machine['cores']} cores)",
             "wall": f"{training / 60:.0f} min of training time in all, two runs at a time",
         },
     )
+    if args.note:
+        text += f"\n{args.note}\n"
     (args.report / "README.md").write_text(text)
     print(text)
     print(f"-> {args.report}/README.md, results.csv ({time.monotonic() - started:.0f} s)")
