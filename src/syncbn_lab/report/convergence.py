@@ -10,6 +10,7 @@ from a :class:`~.study.Study`.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 
 from syncbn_lab.report.collect import Run, series
@@ -49,8 +50,9 @@ def speed_section(study: Study) -> list[str]:
     """Steps to reach each of THRESHOLDS per series and per-device batch."""
     if not any(r.val_curve for r in study.runs):
         return []
-    every = sorted({b - a for r in study.runs for (a, _), (b, _) in zip(r.val_curve,
-                    r.val_curve[1:], strict=False)})  # fmt: skip
+    gaps = [b - a for r in study.runs
+            for (a, _), (b, _) in zip(r.val_curve, r.val_curve[1:], strict=False)]  # fmt: skip
+    every = [statistics.mode(gaps)] if gaps else []  # the usual spacing (an epoch's end adds one)
     lines = [
         "",
         "## How fast each variant converges",
@@ -59,7 +61,7 @@ def speed_section(study: Study) -> list[str]:
         + ", ".join(f"{t:g} %" for t in THRESHOLDS)
         + " (mean ± std over seeds; the runs that never reach it are counted, not averaged). "
         + (
-            f"Validation runs every {every[0]} steps, so a step count is good to that. "
+            f"Validation runs about every {every[0]} steps, so a step count is good to that. "
             if every
             else ""
         )  # fmt: skip
@@ -208,7 +210,7 @@ def claims(study: Study) -> list[Claim]:
     for b in study.batches:
         if b > SMALL_BATCH:
             continue
-        out.append((f"{base} at {b} images per device is worse than {ref}",
+        out.append((f"{base} at {b} image{'s' * (b > 1)} per device is worse than {ref}",
                     against(base, b, ref)))  # fmt: skip
         for v in study.batch_remedies:
             out.append((f"{v.name} at {b} beats {base}", against(v.name, b, base)))
@@ -235,36 +237,43 @@ def _sample_vs_bn(s: Study, name: str) -> Paired | None:
     return paired(by_seed(members, test_error), by_seed(cell, test_error))
 
 
+def outcome(d: Paired | None, sign: int) -> str:
+    """A claim's outcome in one study: "holds" (significant in its direction), "opposite"
+    (significant the other way), "not significant", or "not measured"."""
+    if d is None or d.n == 0:
+        return "not measured"
+    if not d.significant:
+        return "not significant"
+    return "holds" if sign * d.mean > 0 else "opposite"
+
+
 def survival_section(study: Study, earlier: Study, earlier_name: str) -> list[str]:
     """Each claim, computed the same way in ``earlier`` (a shorter study of the same grid)
-    and in ``study``: which hold in both, which only before or only after convergence. A
-    claim holds when its paired Δ is significant in the direction it states (Δ > 0 for
-    "worse", Δ < 0 for "beats")."""
+    and in ``study``, with its outcome in each (:func:`outcome`) and whether it changed."""
     lines = [
         "",
         f"## Which claims survive convergence ({earlier_name} against this study)",
         "",
         "Each row is a paired comparison (Δ pp of test error, mean ± std over seeds, paired "
-        "t-test p) made the same way in both studies; it holds when significant (p < 0.05) "
-        "in the stated direction.",
+        "t-test p) made the same way in both studies; its outcome is significant (p < 0.05) "
+        "in the stated direction (holds), significant the other way (opposite), or neither.",
         "",
-        f"| claim | {earlier_name}: Δ (pp) | p | this study: Δ (pp) | p | verdict |",
-        "|---|---|---|---|---|---|",
+        f"| claim | {earlier_name}: Δ (pp) | p | outcome | this study: Δ (pp) | p | outcome "
+        "| at convergence |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for claim, compute in claims(study):
         before, after = compute(earlier), compute(study)
         sign = 1 if "worse" in claim else -1
-        held = [d is not None and d.significant and sign * d.mean > 0 for d in (before, after)]
-        verdict = {
-            (True, True): "holds in both",
-            (True, False): "only before convergence",
-            (False, True): "only at convergence",
-            (False, False): "in neither",
-        }[tuple(held)]
-        if before is None or after is None:
-            verdict = "not measured in both"
         cells = []
+        outcomes = []
         for d in (before, after):
+            outcomes.append(outcome(d, sign))
             cells += ["–", "–"] if d is None else [fmt_paired(d), fmt_p(d.p)]
-        lines.append(_row(claim, *cells, verdict))
+            cells.append(outcomes[-1])
+        if "not measured" in outcomes:
+            change = "–"
+        else:
+            change = "unchanged" if outcomes[0] == outcomes[1] else " → ".join(outcomes)
+        lines.append(_row(claim, *cells, change))
     return lines
