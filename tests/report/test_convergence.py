@@ -15,6 +15,7 @@ from syncbn_lab.report.convergence import (
     survival_section,
 )
 from syncbn_lab.report.study import Study
+from syncbn_lab.report.tables import spot_check_section
 
 SEEDS = (0, 1, 2)
 SHIFT = (0.0, 0.3, -0.2)  # each seed's own offset, the same in every cell
@@ -102,3 +103,12 @@ def test_an_earlier_study_reads_back_from_its_results_csv(tmp_path):
     cells = lambda rs: sorted((r["bn"], r["devices"], r["seed"], r.test_error) for r in rs)  # noqa: E731
     assert cells(back) == cells(runs)  # floats are written in full
     assert all(isinstance(r["per_device_batch_size"], int) for r in back)
+
+
+def test_a_short_ddp_cost_run_is_no_twin_of_a_whole_emulated_run():
+    base = study({64: 0.0, 16: 0.5})
+    whole, short = run("bn", 4, 0, 10.5), run("bn", 4, 0, 30.0)
+    for r, steps in ((whole, 400), (short, 200)):
+        r.summary.update(parallel="ddp", steps=steps)
+    text = "\n".join(spot_check_section(Study(base.runs, [whole, short], [])))
+    assert text.count("| bn | 4 | 0 |") == 1 and "30.00" not in text

@@ -188,13 +188,15 @@ def _row(*cells: object) -> str:
 
 
 def spot_check_section(study: Study) -> list[str]:
-    """Each real DDP run against its emulated twin, beside the float32 noise floor."""
+    """Each real DDP run against its emulated twin (same cell, same steps: a short cost run
+    has none), beside the float32 noise floor."""
 
     def cell(r: Run) -> tuple:
         return r[GROUP], r["devices"], r["seed"]
 
     twins = {cell(r): r for r in study.runs}
-    pairs = [(r, twins[cell(r)]) for r in sorted(study.ddp, key=cell) if cell(r) in twins]
+    pairs = [(r, twins[cell(r)]) for r in sorted(study.ddp, key=cell)
+             if cell(r) in twins and twins[cell(r)]["steps"] == r["steps"]]  # fmt: skip
     if not pairs:
         return []
     err, loss = study.floor, study.loss_floor
