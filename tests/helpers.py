@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -45,3 +46,10 @@ def error_ratio(actual: Any, expected: Any, atol: float = 1e-5, rtol: float = 1e
         return 0.0
     ratio = (actual - expected).abs() / (atol + rtol * expected.abs())
     return float(ratio.nan_to_num(nan=float("inf")).max())
+
+
+def as_in_a_terminal() -> None:
+    """``preexec_fn`` of a child the test stops with Ctrl-C (SIGINT): SIGINT at its default,
+    as a terminal leaves it. A shell that starts the test suite as a background job without
+    job control ignores SIGINT, and the child would inherit that and never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -14,6 +14,7 @@ import time
 
 import pytest
 from conftest import ROOT
+from helpers import as_in_a_terminal
 
 SWEEP = str(ROOT / "scripts" / "sweep.py")
 # Device count 3 does not divide the global batch of 64: those two runs fail as a bad
@@ -134,6 +135,7 @@ def test_a_sweep_stopped_by_ctrl_c_leaves_no_process_and_resumes_to_the_same_rep
         stderr=subprocess.DEVNULL,
         cwd=tmp_path,
         start_new_session=True,  # its own process group: the kill reaches every job
+        preexec_fn=as_in_a_terminal,
     )
     try:
         deadline = time.monotonic() + 240

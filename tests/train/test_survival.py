@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 from conftest import ROOT, TINY
-from helpers import TRAIN, assert_one_line_error, train_cli
+from helpers import TRAIN, as_in_a_terminal, assert_one_line_error, train_cli
 
 from syncbn_lab.engine import checkpoint, preemption
 from syncbn_lab.errors import Diverged, Preempted
@@ -173,6 +173,7 @@ def test_ctrl_c_of_a_ddp_run_stops_every_rank(tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        preexec_fn=as_in_a_terminal,
     )
     try:
         deadline = time.monotonic() + 120
