@@ -274,7 +274,7 @@ class BatchRenorm(BatchNorm):
             final values (0: at once). Defaults: the paper's 5,000 and 35,000 (rmax reaches
             3 after 40,000 steps).
     The schedule counts ``num_batches_tracked`` (a buffer, saved with the model).
-    ``impl``: as BatchNorm's ("auto": the fused kernels where built; eval runs the reference).
+    ``impl``: as BatchNorm's ("auto": the fused kernels where built; eval is BatchNorm's).
     """
 
     def __init__(

@@ -61,7 +61,7 @@ _log = logging.getLogger(__name__)
 
 IMPLS = ("auto", "reference", "fused")
 """Accepted values of ``impl``: "reference" = the formulas below in torch ops; "fused" = the
-kernels of syncbn_lab._C in training (eval keeps the reference); "auto" = fused where the
+kernels of syncbn_lab._C in training (eval: torch's batch_norm); "auto" = fused where the
 extension is built and supports the input, else the reference (says which once)."""
 
 HALF_TYPES = (torch.float16, torch.bfloat16)

@@ -41,8 +41,9 @@ class BatchNorm(_BatchNorm):
 
     ``impl``: "auto" (default: the fused kernels when syncbn_lab._C is built and takes the
     input, else the reference), "fused" (raises when the extension is missing) or "reference".
-    Eval mode always runs the reference. ``device_slices``: how many devices' slices one forward
-    call holds (the single-process emulation passes ``parallel.devices``; 1 otherwise).
+    Eval mode runs the reference under "reference", torch's batch_norm otherwise.
+    ``device_slices``: how many devices' slices one forward call holds (the single-process
+    emulation passes ``parallel.devices``; 1 otherwise).
     """
 
     device_slices: int
