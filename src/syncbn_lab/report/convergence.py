@@ -16,7 +16,7 @@ from collections.abc import Callable
 from syncbn_lab.report.collect import Run, series
 from syncbn_lab.report.stats import Paired, by_seed, mean_std, paired
 from syncbn_lab.report.study import SMALL_BATCH, Study, per_sample, test_error
-from syncbn_lab.report.tables import fmt, fmt_p, fmt_paired
+from syncbn_lab.report.tables import fmt, fmt_p, fmt_paired, table_row
 from syncbn_lab.variants import GROUP
 
 THRESHOLDS = (85.0, 88.0, 90.0)
@@ -31,10 +31,6 @@ def steps_to(run: Run, accuracy: float) -> float:
         if acc >= accuracy:
             return float(step)
     return math.nan
-
-
-def _row(*cells: object) -> str:
-    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def _steps(values: list[float], total: int) -> str:
@@ -77,7 +73,7 @@ def speed_section(study: Study) -> list[str]:
     ):
         steps = [_steps([steps_to(r, t) for r in members], len(members)) for t in THRESHOLDS]
         loss = fmt(*mean_std(r["train_loss"] for r in members), digits=4)
-        lines.append(_row(variant, "–" if per_sample(variant) else batch, *steps, loss))
+        lines.append(table_row(variant, "–" if per_sample(variant) else batch, *steps, loss))
     return lines
 
 
@@ -107,7 +103,7 @@ def batch_stats_section(study: Study) -> list[str]:
         precise = by_seed(members, lambda r: r.test_error_precise_bn)
         batch = by_seed(members, batch_stats_error)
         rows.append(
-            _row(
+            table_row(
                 b,
                 fmt(*mean_std(ema.values())),
                 fmt(*mean_std(precise.values())),
@@ -159,7 +155,7 @@ def accumulation_section(study: Study) -> list[str]:
                       by_seed(devices, lambda r: r["train_loss"]))  # fmt: skip
         ratio = f"{d.mean / noise:+.1f}" if noise > 0 else "–"
         rows.append(
-            _row(
+            table_row(
                 b,
                 members[0]["accumulate"],
                 fmt(*mean_std(r.test_error for r in members)),
@@ -275,5 +271,5 @@ def survival_section(study: Study, earlier: Study, earlier_name: str) -> list[st
             change = "–"
         else:
             change = "unchanged" if outcomes[0] == outcomes[1] else " → ".join(outcomes)
-        lines.append(_row(claim, *cells, change))
+        lines.append(table_row(claim, *cells, change))
     return lines

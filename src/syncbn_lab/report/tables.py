@@ -118,7 +118,7 @@ def recovery_section(study: Study) -> list[str]:
 def _recovery_row(row: dict) -> str:
     """One row of the recovery table (``Study.recovery_rows``' dict)."""
     rec = "–" if math.isnan(row["recovered"]) else f"{100 * row['recovered']:.0f} %"
-    return _row(
+    return table_row(
         row["batch"], fmt_paired(row["bn_loss"]), fmt_p(row["bn_loss"].p), row["variant"],
         fmt(*row["error"]), fmt_paired(row["vs_sync"]), fmt_p(row["vs_sync"].p),
         fmt_paired(row["vs_bn"]), fmt_p(row["vs_bn"].p), rec,
@@ -168,7 +168,7 @@ def cost_section(study: Study) -> list[str]:
         ratio = f"{step / reference[d]:.2f}" if reference.get(d) else "–"
 
         counts = [_per_step(members, f"comm_{kind}per_step") for kind in _COMM_COLUMNS]
-        lines.append(_row(v, d, len(members), f"{1000 * step:.1f}", ratio, *counts))
+        lines.append(table_row(v, d, len(members), f"{1000 * step:.1f}", ratio, *counts))
     return lines
 
 
@@ -182,7 +182,7 @@ def _per_step(members: list[Run], key: str) -> str:
     return "–" if math.isnan(value) else f"{value:,.0f}"
 
 
-def _row(*cells: object) -> str:
+def table_row(*cells: object) -> str:
     """One markdown table row."""
     return "| " + " | ".join(map(str, cells)) + " |"
 
@@ -227,7 +227,7 @@ def spot_check_section(study: Study) -> list[str]:
         errors = (f"{r.test_error:.2f}", f"{twin.test_error:.2f}", f"{d_err:+.2f}", e_ratio)
         losses = (f"{r['train_loss']:.4f}", f"{twin['train_loss']:.4f}", f"{d_loss:+.4f}")
         gap = _first_loss_gap(r, twin)
-        lines.append(_row(r[GROUP], r["devices"], r["seed"], *errors, *losses, l_ratio, gap))
+        lines.append(table_row(r[GROUP], r["devices"], r["seed"], *errors, *losses, l_ratio, gap))
     return lines
 
 
