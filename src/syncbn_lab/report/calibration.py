@@ -15,6 +15,7 @@ from typing import Any
 
 from syncbn_lab.report import stats
 from syncbn_lab.report.stats import Paired, mean_std, paired
+from syncbn_lab.report.tables import table_row
 
 COLUMNS = ("devices", "per_device_batch_size", "epochs", "seed", "steps", "test_acc",
            "test_acc_precise_bn", "train_loss", "train_time_s", "git_commit")  # fmt: skip
@@ -58,10 +59,6 @@ def plateau(runs: list[dict[str, Any]], devices: int, floor: float) -> int | Non
     return found
 
 
-def _row(*cells: object) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
-
-
 def _mean_std(values: dict[int, float], digits: int) -> str:
     mean, std = mean_std(values.values())
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
@@ -86,15 +83,15 @@ def render(runs: list[dict[str, Any]], floor: float, meta: dict[str, str]) -> st
         f"Produced by `{meta['command']}`, the runs at commit {meta['commit']}, on "
         f"{meta['machine']}; {len(runs)} runs, {meta['wall']}.",
         "",
-        _row("images per device", "epochs", "steps", "test error, EMA (%)",
+        table_row("images per device", "epochs", "steps", "test error, EMA (%)",
              "test error, PreciseBN (%)", "last epoch's training loss", "training time (s)"),
-        _row(*["---"] * 7),
+        table_row(*["---"] * 7),
     ]  # fmt: skip
     for d in devices:
         for e in sorted({r["epochs"] for r in runs if r["devices"] == d}):
             steps = by_seed(runs, d, e, "steps")
             lines.append(
-                _row(
+                table_row(
                     64 // d,
                     e,
                     int(next(iter(steps.values()))),
@@ -108,15 +105,15 @@ def render(runs: list[dict[str, Any]], floor: float, meta: dict[str, str]) -> st
         "",
         "Each doubling (test error, EMA statistics; long - short, paired by seed):",
         "",
-        _row("images per device", "epochs", "change (pp)", "p", "verdict"),
-        _row(*["---"] * 5),
+        table_row("images per device", "epochs", "change (pp)", "p", "verdict"),
+        table_row(*["---"] * 5),
     ]
     for d in devices:
         for short, long, delta in doublings(runs, d):
             p = "–" if math.isnan(delta.p) else f"{delta.p:.3f}"
             verdict = "within the noise" if within_noise(delta, floor) else "beyond the noise"
             lines.append(
-                _row(64 // d, f"{short} → {long}", f"{delta.mean:+.2f} ± {delta.std:.2f} "
+                table_row(64 // d, f"{short} → {long}", f"{delta.mean:+.2f} ± {delta.std:.2f} "
                      f"(n={delta.n})", p, verdict)
             )  # fmt: skip
     lines += ["", "Where the test error stops changing beyond the noise:", ""]

@@ -21,6 +21,7 @@ from typing import Any
 from syncbn_lab.parallel.modes import MODES
 from syncbn_lab.report.collect import Run
 from syncbn_lab.report.stats import ALPHA, Paired, mean_std, noise_floor, paired
+from syncbn_lab.report.tables import table_row
 from syncbn_lab.variants import GROUP, VARIANTS
 
 ARMS = ("fp32", "fast")
@@ -167,10 +168,6 @@ def _fmt(x: float, unit: str) -> str:
     return f"{x:+.2f}" if unit == "pp" else f"{x:+.4f}"
 
 
-def _row(*cells: object) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
-
-
 def render(
     runs: list[dict[str, Any]], floor: dict[str, float], levers: str, meta: dict[str, str]
 ) -> str:
@@ -197,9 +194,9 @@ def render(
         "a shift within the noise when its mean is at most the noise of a difference of two "
         "runs.",
         "",
-        _row(GROUP, "images per device", "metric", "fp32 (mean ± std)", "fast (mean ± std)",
+        table_row(GROUP, "images per device", "metric", "fp32 (mean ± std)", "fast (mean ± std)",
              "fast - fp32 (paired)", "p", "p (Holm)", "verdict"),
-        _row(*["---"] * 9),
+        table_row(*["---"] * 9),
     ]  # fmt: skip
     comparisons = compare(runs)
     adjusted = holm([c.delta.p for c in comparisons])
@@ -207,7 +204,7 @@ def render(
         label, unit = METRICS[c.metric]
         digits = 2 if unit == "pp" else 4
         lines.append(
-            _row(
+            table_row(
                 c.cell[0],
                 64 // c.cell[1],
                 label,
@@ -235,11 +232,11 @@ def render(
         "Time of a whole one-epoch run (two runs at a time, the fp32 and fast twin of one cell "
         "and seed side by side, one thread each):",
         "",
-        _row("", "fp32 (mean)", "fast (mean)", "fp32 / fast (median over pairs)"),
-        _row(*["---"] * 4),
-        _row("training time (steps, data included)",
+        table_row("", "fp32 (mean)", "fast (mean)", "fp32 / fast (median over pairs)"),
+        table_row(*["---"] * 4),
+        table_row("training time (steps, data included)",
              f"{train[0]:.1f} s", f"{train[1]:.1f} s", f"{train[2]:.2f}x"),
-        _row("wall time (data, training, evaluation, PreciseBN)",
+        table_row("wall time (data, training, evaluation, PreciseBN)",
              f"{wall[0]:.1f} s", f"{wall[1]:.1f} s", f"{wall[2]:.2f}x"),
         "",
     ]  # fmt: skip
