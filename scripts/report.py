@@ -13,8 +13,7 @@ import argparse
 from pathlib import Path
 
 from syncbn_lab.cli import exit_on_user_error
-from syncbn_lab.report import collect_failures, collect_runs, write_report
-from syncbn_lab.report.collect import runs_from_csv
+from syncbn_lab.report import write_sweep_report
 
 
 def main() -> None:
@@ -37,12 +36,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     with exit_on_user_error():
-        runs = collect_runs(*args.sweep_dirs)
-        failures = collect_failures(*args.sweep_dirs)
-        earlier = None
-        if args.compare_with is not None:
-            earlier = (args.compare_with.parent.name, runs_from_csv(args.compare_with))
-        write_report(runs, args.out, args.title, args.wall_time_s, failures, earlier)
+        runs, failures = write_sweep_report(
+            args.sweep_dirs, args.out, args.title, args.wall_time_s, args.compare_with
+        )
     missing = f" ({len(failures)} failed, marked missing)" if failures else ""
     print(f"{len(runs)} runs{missing} -> {args.out}/README.md, results.csv, *.png")
 

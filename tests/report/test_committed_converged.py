@@ -13,8 +13,7 @@ from collections import defaultdict
 import yaml
 from conftest import ROOT
 
-from syncbn_lab.report import collect_failures, collect_runs, write
-from syncbn_lab.report.collect import runs_from_csv
+from syncbn_lab.report import write
 
 REPORT = ROOT / "reports" / "bn_vs_syncbn"
 EXPERIMENT = ROOT / "configs" / "experiment" / "bn_vs_syncbn.yaml"
@@ -57,15 +56,12 @@ def test_the_committed_runs_render_the_committed_report(tmp_path, monkeypatch):
     plots = [line[2:].split("]")[0] for line in committed.splitlines() if line.startswith("![")]
     assert all((REPORT / p).is_file() for p in plots)
     monkeypatch.setattr(write, "write_plots", lambda *a: plots)  # not redrawn: they take time
-    earlier = ROOT / "reports" / "bn_vs_syncbn_1epoch" / "results.csv"
-    title = committed.splitlines()[0].removeprefix("# ")
-    write.write_report(
-        collect_runs(sweep_dir),
+    write.write_sweep_report(
+        [sweep_dir],
         out,
-        title,
+        committed.splitlines()[0].removeprefix("# "),
         float((sweep_dir / "wall_time_s").read_text()),
-        collect_failures(sweep_dir),
-        (earlier.parent.name, runs_from_csv(earlier)),
+        ROOT / "reports" / "bn_vs_syncbn_1epoch" / "results.csv",
     )
     for name in ("README.md", "results.csv"):
         assert (out / name).read_text() == (REPORT / name).read_text(), name

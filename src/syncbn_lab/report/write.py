@@ -12,7 +12,14 @@ from pathlib import Path
 from syncbn_lab.errors import UserError
 from syncbn_lab.parallel.modes import mode
 from syncbn_lab.report import convergence, tables
-from syncbn_lab.report.collect import CSV_COLUMNS, Failure, Run
+from syncbn_lab.report.collect import (
+    CSV_COLUMNS,
+    Failure,
+    Run,
+    collect_failures,
+    collect_runs,
+    runs_from_csv,
+)
 from syncbn_lab.report.plots import write_plots
 from syncbn_lab.report.reading import reading
 from syncbn_lab.report.study import Study, variant_order
@@ -52,6 +59,25 @@ def write_report(
             f"\nHow the study was designed and more observations, by hand: [{NOTES}]({NOTES}).\n"
         )
     (out_dir / "README.md").write_text(text)
+
+
+def write_sweep_report(
+    sweep_dirs: list[Path],
+    out_dir: Path,
+    title: str,
+    sweep_wall_time_s: float | None = None,
+    compare_with: Path | None = None,
+) -> tuple[list[Run], list[Failure]]:
+    """:func:`write_report` of every run under ``sweep_dirs``, its failed runs marked missing,
+    beside the claims of the earlier study whose results.csv is ``compare_with``; returns
+    the runs and the failures."""
+    runs = collect_runs(*sweep_dirs)
+    failures = collect_failures(*sweep_dirs)
+    earlier = None
+    if compare_with is not None:
+        earlier = (compare_with.parent.name, runs_from_csv(compare_with))
+    write_report(runs, out_dir, title, sweep_wall_time_s, failures, earlier)
+    return runs, failures
 
 
 def _distributed(run: Run) -> bool:
