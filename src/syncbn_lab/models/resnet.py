@@ -9,6 +9,10 @@ Two families:
   paper's option B), so every normalisation in the network goes through the factory.
 * torchvision's resnet18/resnet50 with an optional small-image stem (3x3 conv,
   stride 1, no max-pool), the usual choice for 28-32 pixel inputs.
+
+Every 1x1 convolution with a stride (the shortcuts of both families) is a
+:class:`SubsampledConv1x1`: the same parameters, values and gradients, computed so that
+oneDNN's strided 1x1 kernel, which is broken on AVX2 CPUs, is never taken.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 NormFactory = Callable[[int], nn.Module]
@@ -23,6 +28,50 @@ NormFactory = Callable[[int], nn.Module]
 
 def conv3x3(in_channels: int, out_channels: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+
+
+class SubsampledConv1x1(nn.Conv2d):
+    """A 1x1 convolution with stride s, computed as ``x[:, :, ::s, ::s]`` and a stride-1 1x1
+    convolution: the same output, gradients and state-dict keys (``weight``, ``bias``).
+
+    Why: oneDNN's AVX2 ``jit_1x1`` backward-weights kernel of a strided 1x1 convolution on
+    channels_last input with fewer than 8 input channels writes past its workspace (oneDNN
+    issue 6035, torch 2.14.1): the weight gradient is silently wrong at two threads, the
+    process crashes at one. The subsampled input goes through the stride-1 kernel, which is
+    right. ``tests/models/test_strided_1x1.py`` says whether the installed torch still has
+    the bug, so this class can go when it does not.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int, bias: bool = False):
+        super().__init__(in_channels, out_channels, 1, stride=stride, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        step_h, step_w = self.stride
+        return F.conv2d(x[:, :, ::step_h, ::step_w], self.weight, self.bias, groups=self.groups)
+
+
+def subsample_strided_1x1(model: nn.Module) -> nn.Module:
+    """Replace every plain strided 1x1 convolution of ``model`` (no padding, no dilation) by a
+    :class:`SubsampledConv1x1` holding the same Parameters; returns ``model``."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if not _is_strided_1x1(child):
+                continue
+            replacement = SubsampledConv1x1.__new__(SubsampledConv1x1)
+            replacement.__dict__.update(child.__dict__)  # same Parameters, hooks and flags
+            setattr(module, name, replacement)
+    return model
+
+
+def _is_strided_1x1(m: nn.Module) -> bool:
+    return (
+        type(m) is nn.Conv2d
+        and m.kernel_size == (1, 1)
+        and m.stride != (1, 1)
+        and m.padding == (0, 0)
+        and m.dilation == (1, 1)
+        and m.padding_mode == "zeros"
+    )
 
 
 class _GlobalAvgPool(torch.autograd.Function):
@@ -69,7 +118,7 @@ class BasicBlock(nn.Module):
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or in_channels != out_channels:
             self.shortcut = nn.Sequential(
-                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                SubsampledConv1x1(in_channels, out_channels, stride),
                 norm(out_channels),
             )
 
@@ -153,6 +202,7 @@ def torchvision_resnet(
     elif in_channels != 3:
         model.conv1 = nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False)
     model.avgpool = GlobalAvgPool()
+    subsample_strided_1x1(model)  # the downsample shortcuts
     last = "bn3" if arch == "resnet50" else "bn2"
     _init_weights(model, zero_init_residual, last_norms=lambda b: [getattr(b, last, None)])
     return model
