@@ -14,7 +14,8 @@ per seed (it does not depend on the device count), and real gloo DDP runs one at
 cost table and the spot check against their emulated twins); syncbn_lab.sweep runs them.
 A run that fails does not stop the others: it leaves <run dir>/error.json with its one-line
 reason and the report shows its cell as missing with that reason. --resume runs the same
-sweep again in its dir (the settings recorded in <sweep dir>/sweep.json): runs whose
+sweep again in its dir (the settings recorded in <sweep dir>/sweep.json, trainer.precision
+among them: ``auto`` is resolved once, when the sweep starts, and pinned): runs whose
 summary.json is complete are skipped, the rest run afresh. The wall time of all attempts is
 written to <sweep dir>/wall_time_s and stated in the report.
 
@@ -37,12 +38,14 @@ from pathlib import Path
 from syncbn_lab.errors import UserError, one_line
 from syncbn_lab.logging.console import display_path
 from syncbn_lab.multirun import SweepProgress, job_count
+from syncbn_lab.provenance import cpu_isa, cpu_model
 from syncbn_lab.sweep import (
     LOG,
     compare_with,
     log_report_to_wandb,
     multirun,
     multirun_overrides,
+    pin_precision,
     plan,
 )
 
@@ -71,7 +74,9 @@ def settings(args: argparse.Namespace) -> tuple[Path, dict]:
     launcher = args.launcher or "joblib"
     parallel = args.parallel or "emulated"
     try:
-        parts = plan(experiment, args.smoke, parallel, launcher, args.overrides)
+        parts = pin_precision(
+            experiment, plan(experiment, args.smoke, parallel, launcher, args.overrides)
+        )
     except UserError as e:
         sys.exit(f"error: {one_line(e)}")
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
@@ -87,10 +92,16 @@ def settings(args: argparse.Namespace) -> tuple[Path, dict]:
     ):
         for part in parts:  # one W&B group per sweep
             part["overrides"].append(f"logger.group={name}-{stamp}")
-    record = {"name": name, "experiment": experiment, "parts": parts}
+    # where it started: the pinned precision was chosen for this machine
+    record = {"name": name, "experiment": experiment, "parts": parts, "started_on": machine()}
     if not args.smoke:
         record["compare_with"] = compare_with(experiment)
     return sweep_dir, record
+
+
+def machine() -> dict:
+    """The CPU this process runs on, as sweep.json records it."""
+    return {"cpu": cpu_model(), **cpu_isa()}
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from syncbn_lab.variants import NormVariant, variant
 
 __all__ = ["RunShape", "available_cores", "compose", "derive", "torchrun_env", "validate"]
 
-PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "fp64", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def validate(cfg: DictConfig) -> RunShape:
         )
     norm = _check_components(cfg)
     _check_callbacks(t.get("callbacks"))
-    for key in ("channels_last", "compile", "eval_batch_stats"):
+    for key in ("channels_last", "compile", "eval_batch_stats", "preflight"):
         if not isinstance(t.get(key, False), bool):
             raise ConfigError(f"trainer.{key}={t.get(key)} must be true or false")
     norm.check(cfg, parallel, device)

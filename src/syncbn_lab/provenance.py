@@ -49,6 +49,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_isa() -> dict[str, Any]:
+    """The vector instructions torch's CPU kernels use and whether oneDNN computes bfloat16
+    natively: the two facts that decide which precision and layout are fast here (both
+    honour ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY caps)."""
+    return {
+        "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+        "cpu_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    }
+
+
 def provenance() -> dict[str, Any]:
     """The commit, machine and software of this process, for a benchmark's JSON ``meta``."""
     try:
@@ -62,6 +72,7 @@ def provenance() -> dict[str, Any]:
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": {
             "cpu": cpu_model(),
+            **cpu_isa(),
             "cores": cores,
             "memory_gib": _memory_gib(),
             "os": platform.platform(),

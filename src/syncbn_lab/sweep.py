@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
 from syncbn_lab.errors import UserError, one_line
@@ -89,6 +90,25 @@ def plan(
                 merged = merge(merged, ["hydra.launcher.n_jobs=1"])  # its ranks take the cores
         out.append({"part": part, "overrides": merged})
     return out
+
+
+def pin_precision(experiment: str, parts: list[dict]) -> list[dict]:
+    """``parts`` with ``trainer.precision=auto`` resolved once, here, and pinned in every
+    part's overrides: one study never mixes precisions, and a sweep resumed on another
+    machine (its sweep.json) trains as it started."""
+    from syncbn_lab.config import resolve_device
+    from syncbn_lab.engine.precision import resolve
+
+    pinned = []
+    for part in parts:
+        cfg = multirun_config(multirun_overrides(Path("."), experiment, part["overrides"])).trainer
+        chosen = resolve(cfg.precision, torch.device(resolve_device(cfg.device)))
+        overrides = part["overrides"]
+        swept = any(o.startswith("trainer.precision=") and "," in o for o in overrides)
+        if chosen != cfg.precision and not swept:
+            overrides = merge(overrides, [f"trainer.precision={chosen}"])
+        pinned.append({**part, "overrides": overrides})
+    return pinned
 
 
 def multirun_overrides(sweep_dir: Path, experiment: str, overrides: list[str]) -> list[str]:

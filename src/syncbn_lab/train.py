@@ -16,13 +16,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from syncbn_lab import models
 from syncbn_lab.config import RunShape, validate
-from syncbn_lab.engine import checkpoint, preemption
+from syncbn_lab.engine import checkpoint, precision, preemption, preflight
 from syncbn_lab.engine.compute import memory_format
 from syncbn_lab.engine.loop import Loaders, Trainer, step_counts
 from syncbn_lab.engine.optim import build_optimizer
 from syncbn_lab.engine.precise_bn import bn_layers
-from syncbn_lab.engine.precision import model_dtype
-from syncbn_lab.errors import ConfigError, one_line
+from syncbn_lab.errors import ConfigError, one_line, warn_one_line
 from syncbn_lab.logging import NullLogger, RunLogger
 from syncbn_lab.logging.console import LOG_FILE, log_terminal, result_block
 from syncbn_lab.machine import available_cores, torchrun_env
@@ -30,7 +29,7 @@ from syncbn_lab.nn.registry import norm_layer
 from syncbn_lab.parallel import launch, parallelize
 from syncbn_lab.parallel.context import Runtime
 from syncbn_lab.parallel.sampling import eval_loader, seed_everything, train_loader
-from syncbn_lab.provenance import cpu_model, git_commit
+from syncbn_lab.provenance import cpu_isa, cpu_model, git_commit
 from syncbn_lab.variants import GROUP as VARIANT_GROUP
 
 RUN_FILES = ("metrics.jsonl", "summary.json")
@@ -40,6 +39,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Train as ``cfg`` says, writing outputs into ``run_dir``; return the summary."""
     run_dir = Path(run_dir)
     shape = validate(cfg)
+    cfg = pin_precision(cfg, shape.device)
     resumed = checkpoint.check_resume(cfg)  # fail now, not after the processes start
     from syncbn_lab.data import prepare_data
 
@@ -60,6 +60,20 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             ) from e
     with preemption.stop_signals():
         return launch(cfg, shape, worker, run_dir)
+
+
+def pin_precision(cfg: DictConfig, device: str) -> DictConfig:
+    """``cfg`` with ``trainer.precision=auto`` replaced by what this device computes fastest
+    (config.yaml, and so a resume, holds the choice); warns once where bf16 is emulated."""
+    chosen = precision.resolve(cfg.trainer.precision, torch.device(device))
+    warning = precision.slow_bf16_warning(chosen, torch.device(device))
+    if warning and cfg.trainer.precision == "bf16":
+        warn_one_line(warning)
+    if chosen == cfg.trainer.precision:
+        return cfg
+    cfg = cfg.copy()
+    cfg.trainer.precision = chosen
+    return cfg
 
 
 def resumes_in_place(cfg: DictConfig, run_dir: Path) -> bool:
@@ -117,8 +131,10 @@ def _work(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
     seed_everything(t.seed)
+    if rt.is_main:
+        print(precision.describe(t.precision, torch.device(shape.device)), flush=True)
 
-    dtype = model_dtype(t.precision)
+    dtype = precision.model_dtype(t.precision)
     splits = build_datasets(cfg.data)
     for split in (splits.train, splits.val, splits.test):
         split.set_dtype(dtype)
@@ -156,34 +172,52 @@ def _work(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[
             f"trainer.global_batch_size={t.global_batch_size}; use a smaller global batch"
         )
 
+    trainer = Trainer(
+        cfg,
+        rt,
+        parallel.model,
+        model,
+        optimizer,
+        loaders,
+        NullLogger(),  # the run's logger comes after the preflight check: nothing written before
+        run_dir,
+        parallel.bn_buffers,
+        parallel.model_loss,
+    )
+    if t.resume:
+        path = checkpoint.resolve(t.resume)
+        try:
+            trainer.load_state_dict(checkpoint.load(path, rt.device))
+        except (RuntimeError, KeyError, IndexError, ValueError) as e:
+            raise ConfigError(
+                f"trainer.resume: {path} does not fit this run's model or devices "
+                f"({one_line(e)[:200]}); resume with the settings it was written with"
+            ) from None
+    checked = {}
+    if t.preflight:
+
+        def replica(fused: bool) -> torch.nn.Module:
+            bn = cfg.bn if fused or "impl" not in cfg.bn else {**cfg.bn, "impl": "reference"}
+            factory = norm_layer(OmegaConf.create(bn), shape.device_slices, steps * t.accumulate)
+            copy = models.build(cfg.model, factory, splits.num_classes, splits.in_channels)
+            copy.load_state_dict(model.state_dict())
+            return copy.to(rt.device)
+
+        chunks = shape.slices_per_process // shape.device_slices  # DataParallel's replicas
+        checked = preflight.check(trainer, replica, preflight.takes_fused(model), chunks)
+        if rt.is_main:
+            print(preflight.summary_line(checked), flush=True)
+
     logger = RunLogger(run_dir, cfg, shape) if rt.is_main else NullLogger()
+    trainer.logger = logger
     exit_code = 1
     try:
-        trainer = Trainer(
-            cfg,
-            rt,
-            parallel.model,
-            model,
-            optimizer,
-            loaders,
-            logger,
-            run_dir,
-            parallel.bn_buffers,
-            parallel.model_loss,
-        )
-        if t.resume:
-            path = checkpoint.resolve(t.resume)
-            try:
-                trainer.load_state_dict(checkpoint.load(path, rt.device))
-            except (RuntimeError, KeyError, IndexError, ValueError) as e:
-                raise ConfigError(
-                    f"trainer.resume: {path} does not fit this run's model or devices "
-                    f"({one_line(e)[:200]}); resume with the settings it was written with"
-                ) from None
         result = trainer.fit()
         summary = {
             **result,
+            **checked,
             "wall_time_s": time.perf_counter() - started,
+            "precision": t.precision,
             "global_batch_size": t.global_batch_size,
             "per_device_batch_size": per_device,
             "normalization_batch_size": shape.normalization_batch_size,
@@ -202,6 +236,7 @@ def _work(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[
             "device": shape.device,
             "backend": shape.backend,
             "cpu_model": cpu_model(),
+            **cpu_isa(),
             "cores": available_cores(),
         }
         logger.summary(summary)

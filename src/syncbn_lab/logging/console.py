@@ -130,6 +130,7 @@ def result_block(
     rows = [
         ("test accuracy", test),
         ("best val acc", _percent(summary.get("best_val_acc"))),
+        ("precision", str(summary.get("precision"))),
         ("steps", f"{summary.get('steps')} ({_count(summary.get('epochs'), 'epoch')})"),
         ("wall time", duration(float(summary.get("wall_time_s", math.nan)))),
         ("run dir", display_path(run_dir)),

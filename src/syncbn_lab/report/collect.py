@@ -35,6 +35,9 @@ CSV_COLUMNS = (
     "comm_buffers_bytes_per_step",
     "comm_norm_statistics_bytes_per_step",
     "wall_time_s",
+    "precision",
+    "cpu_isa",
+    "cpu_bf16",
     "git_commit",
     "run_dir",
 )
@@ -148,7 +151,8 @@ def collect_runs(*sweep_dirs: Path) -> list[Run]:
 
 
 def _precision(config: Path) -> str | None:
-    """trainer.precision from a run's resolved config.yaml (summary.json does not hold it)."""
+    """trainer.precision from a run's resolved config.yaml, for runs whose summary.json
+    does not record it (written before it did)."""
     if not config.exists():
         return None
     from omegaconf import OmegaConf

@@ -103,6 +103,20 @@ def _write_csv(runs: list[Run], path: Path) -> None:
             writer.writerow(run.row())
 
 
+def machines(runs: list[Run]) -> str:
+    """The CPUs the runs ran on, with the vector ISA and bf16 support they recorded, and
+    how many runs each: what decides their speed and whether bf16 was native."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        if r["cpu_isa"] is None:
+            isa = "ISA not recorded"
+        else:
+            isa = f"{r['cpu_isa']}, bf16 instructions {'yes' if r['cpu_bf16'] else 'no'}"
+        name = f"{r['cpu_model'] or 'unknown CPU'} ({isa})"
+        counts[name] = counts.get(name, 0) + 1
+    return "; ".join(f"{name}: {n} runs" for name, n in counts.items())
+
+
 def markdown(
     study: Study,
     title: str,
@@ -122,8 +136,10 @@ def markdown(
         f"{any_run['global_batch_size']}, {len(seeds)} seed(s) "
         f"({', '.join(map(str, seeds))}), {len(runs)} runs, parallel "
         f"mode(s): {', '.join(sorted({r['parallel'] for r in runs}))}, "
-        f"precision {any_run['precision'] or 'fp32'}, "
+        f"precision {', '.join(sorted({r['precision'] or 'fp32' for r in runs}))}, "
         f"commit {', '.join(commits) or 'unknown'}.",
+        "",
+        f"Machines: {machines(runs)}.",
     ]
     if wall_time_s is not None:
         lines.append(f"The sweep took {wall_time_s / 60:.1f} minutes of wall time.")
