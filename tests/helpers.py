@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import platform
 import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+
 from syncbn_lab.run_compare import float64_pair
+
+# ONEDNN_MAX_CPU_ISA=AVX2 in a child's environment makes oneDNN take its AVX2 kernels
+needs_avx2 = pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64")
+    or torch.backends.cpu.get_cpu_capability() == "DEFAULT",
+    reason="ONEDNN_MAX_CPU_ISA=AVX2 selects oneDNN's AVX2 kernels only on an x86 CPU with AVX2",
+)
 
 TRAIN = str(Path(__file__).resolve().parents[1] / "scripts" / "train.py")
 
@@ -32,7 +43,6 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 
 def torch_batchnorm_class(input_dim: int) -> type:
     """The torch.nn BatchNorm class for a 2-D to 5-D input (the independent reference)."""
-    import torch
 
     classes = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d}
     classes |= {4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import needs_avx2
 from torch import nn
 
 from syncbn_lab.models.resnet import SubsampledConv1x1, subsample_strided_1x1
@@ -26,12 +26,6 @@ PROBE = Path(__file__).with_name("strided_1x1_probe.py")
 # channels_last against NCHW after 4 SGD steps: float32 summation order moves parameters by
 # ~3e-6 relative; the broken kernel moves them by 1e-2 or more
 FLOAT32_ROUNDING = 1e-4
-
-needs_avx2 = pytest.mark.skipif(
-    platform.machine().lower() not in ("x86_64", "amd64")
-    or torch.backends.cpu.get_cpu_capability() == "DEFAULT",
-    reason="ONEDNN_MAX_CPU_ISA=AVX2 selects oneDNN's AVX2 kernels only on an x86 CPU with AVX2",
-)
 
 
 def probe(threads: int, broken: bool = False) -> tuple[int, dict | None, str]:

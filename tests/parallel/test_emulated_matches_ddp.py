@@ -4,7 +4,8 @@ Same seed, same data order, float64 (in float32 the trajectory is chaotic, so on
 can separate semantics from summation order; reports/exactness/ states the float32 noise
 floor): the loss at every one of 20 steps and every tensor of the final checkpoint (weights
 and BN running statistics) agree to 1e-9 relative, for per-device BN and for SyncBN, at
-N = 2 and 4, and for Batch Renormalization at N = 2. The N = 4 per-device BN
+N = 2 and 4, and for Batch Renormalization at N = 2, each with its preflight check. The
+N = 4 per-device BN
 case also runs gradient accumulation (DDP's no_sync), dist_bn=reduce and PreciseBN on both
 sides; the Batch Renormalization case dist_bn=reduce and PreciseBN.
 """
@@ -55,6 +56,8 @@ def test_emulated_equals_gloo_ddp(tmp_path, case):
     ddp = run(compose_config(["parallel=ddp", *overrides]), tmp_path / "ddp")
     emulated = run(compose_config(["parallel=emulated", *overrides]), tmp_path / "emulated")
     assert ddp["steps"] == emulated["steps"] == STEPS
+    for checked in (ddp, emulated):  # the preflight check ran (each rank its own replica)
+        assert checked["preflight_error"] <= checked["preflight_tolerance"] == 1e-6
     assert_same_run(tmp_path / "emulated", tmp_path / "ddp", STEPS, rtol=RTOL)
     for key in ("test_acc", "val_acc"):
         assert emulated[key] == pytest.approx(ddp[key], abs=1e-9), key

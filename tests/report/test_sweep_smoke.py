@@ -13,8 +13,11 @@ import sys
 import time
 
 import pytest
+import torch
 from conftest import ROOT
 from helpers import as_in_a_terminal
+
+from syncbn_lab.engine.precision import resolve
 
 SWEEP = str(ROOT / "scripts" / "sweep.py")
 # Device count 3 does not divide the global batch of 64: those two runs fail as a bad
@@ -91,6 +94,11 @@ def test_sweep_smoke_writes_report_and_marks_the_failed_cells(uninterrupted):
     assert log.count("error: job ") == 2, log[-3000:]
     assert "error: job 1_bn_emulated3_s0 failed: trainer.global_batch_size=64 is not " in log
     summaries = [json.loads(p.read_text()) for p in sweep_dir.rglob("summary.json")]
+    # trainer.precision=auto resolved once and pinned in every part (and so kept by --resume)
+    pinned = {f"trainer.precision={resolve('auto', torch.device('cpu'))}"}
+    record = json.loads((sweep_dir / "sweep.json").read_text())
+    assert all(pinned <= set(part["overrides"]) for part in record["parts"]), record["parts"]
+    assert {f"trainer.precision={s['precision']}" for s in summaries} == pinned
 
     # the terminal: one line per run as it finished, none of the jobs' output
     lines = progress_lines(result.stdout)
@@ -116,6 +124,9 @@ def test_sweep_smoke_writes_report_and_marks_the_failed_cells(uninterrupted):
     rows = list(csv.DictReader(open(report_dir / "results.csv")))
     assert len(rows) == 7
     text = (report_dir / "README.md").read_text()
+    first = summaries[0]
+    isa = f"{first['cpu_isa']}, bf16 instructions {'yes' if first['cpu_bf16'] else 'no'}"
+    assert f"Machines: {first['cpu_model']} ({isa}): 7 runs." in text
     assert "| images per device |" in text and "| 16 |" in text and "| 64 |" in text
     assert "**2 run(s) failed**" in text
     assert "| bn | emulated | 3 | 21.3333 | 0 | trainer.global_batch_size=64 is not" in text

@@ -36,12 +36,17 @@ from syncbn_lab.engine.precision import autocast, model_dtype
 from syncbn_lab.errors import OneLineError
 from syncbn_lab.loss import at_least_fp32
 
-# Relative L2 error ``||g - g64|| / ||g64||`` per tensor that a float32 or float64 step may
-# show against float64 on one batch. Measured on the project's models (resnet8 at widths 4
-# and 16, 1-64 emulated devices, bn, sync, brn, gn, NCHW and channels_last): fp32 at most
-# 2.4e-5; the broken convolution of oneDNN issue 6035 is 0.06-0.9 off. Autocast steps are
-# held to a plain autocast step on the same batch instead (``_Reference.tolerance``).
-TOLERANCES = {"fp64": 1e-9, "fp32": 1e-3}
+# Relative L2 error ``||g - g64|| / ||g64||`` per tensor (and of the loss) that a float64
+# or float32 step may show against float64 on one batch. A correct float32 step reaches
+# 1.6e-2 on the project's models: the gradients of early layers are ill-conditioned (BN
+# removes what their weights' scale does), and torch's CPU channels_last BatchNorm
+# accumulates ~1000x less precisely than its NCHW kernel (7.9e-5 against 6.2e-8 on one
+# (64, 16, 28, 28) layer); resnet8 at width 16, channels_last: 2e-3 to 1.6e-2, NCHW: up to
+# 1.1e-3. The bugs the check exists for are far beyond: oneDNN issue 6035 puts the shortcut's
+# weight gradient 2e2 to 4.5e2 off (width 4, two threads), a kernel 1.5x off is 0.5 off.
+# Autocast steps are held to a plain autocast step on the same batch instead
+# (``_Reference.tolerance``).
+TOLERANCES = {"fp64": 1e-6, "fp32": 0.1}
 AUTOCAST_MARGIN = 4.0
 
 # A tensor whose float64 gradient is this small next to the largest one is compared against
@@ -110,7 +115,7 @@ def check(trainer, replica: Replica, fused: bool, chunks: int = 1) -> dict[str, 
         loss, grads = _configured_step(trainer, images, labels)
         untouched.restore()  # the replicas start from the run's state, not the step's
         ref_loss, ref_grads = reference.step(REFERENCE, images, labels)
-        tolerance = reference.tolerance(configured.precision, images, labels, ref_grads)
+        tolerance = reference.tolerance(configured.precision, images, labels, ref_loss, ref_grads)
         name, error, allowed = _worst(trainer.rt, loss, grads, ref_loss, ref_grads, tolerance)
         if error > allowed:
             raise _failure(reference, configured, images, labels, (name, error, allowed))
@@ -125,12 +130,12 @@ def check(trainer, replica: Replica, fused: bool, chunks: int = 1) -> dict[str, 
 def _failure(reference, configured, images, labels, worst) -> PreflightFailed:
     """The one-line error, with the first lever whose removal brings the step within."""
     name, error, allowed = worst
-    _, ref_grads = reference.step(REFERENCE, images, labels)
+    ref_loss, ref_grads = reference.step(REFERENCE, images, labels)
     found = ""
     for setting, step in configured.levers():
         loss, grads = reference.step(step, images, labels)
-        tolerance = reference.tolerance(step.precision, images, labels, ref_grads)
-        _, trial, within = _worst(reference.rt, None, grads, None, ref_grads, tolerance)
+        tolerance = reference.tolerance(step.precision, images, labels, ref_loss, ref_grads)
+        _, trial, within = _worst(reference.rt, loss, grads, ref_loss, ref_grads, tolerance)
         if trial <= within:
             found = f"; with {setting} it is {trial:.1e}: run with {setting}"
             break
@@ -208,7 +213,7 @@ class _Reference:
             grads[name] = grad
         return loss.detach().double(), grads
 
-    def tolerance(self, precision, images, labels, ref_grads) -> Callable[[str], float]:
+    def tolerance(self, precision, images, labels, ref_loss, ref_grads) -> Callable[[str], float]:
         """name -> the relative error ``precision`` may show on that tensor. fp32 and fp64:
         :data:`TOLERANCES`. Autocast (bf16, fp16) rounds some gradients (those of norm
         weights over small slices, which cancel) by 100 % and more on a correct step, so
@@ -219,7 +224,7 @@ class _Reference:
             return lambda name: TOLERANCES[precision]
         plain = _replace(REFERENCE, precision=precision)
         loss, grads = self.step(plain, images, labels)
-        errors = _errors(grads, ref_grads)
+        errors = _errors(loss, grads, ref_loss, ref_grads)
         return lambda name: max(TOLERANCES["fp32"], AUTOCAST_MARGIN * errors.get(name, 0.0))
 
 
@@ -227,8 +232,9 @@ def _with_grad(model: nn.Module):
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.grad is not None]
 
 
-def _errors(grads, ref_grads) -> dict[str, float]:
-    """name -> relative L2 error of each gradient (inf for a missing or non-finite one)."""
+def _errors(loss, grads, ref_loss, ref_grads) -> dict[str, float]:
+    """name -> relative L2 error of each gradient, and "loss" -> the loss's relative error
+    (unless ``loss`` is None); inf for a missing or non-finite one."""
     largest = max((g.norm().item() for g in ref_grads.values()), default=0.0)
     errors = {}
     for name, ref in ref_grads.items():
@@ -238,16 +244,16 @@ def _errors(grads, ref_grads) -> dict[str, float]:
         scale = max(ref.norm().item(), _FLOOR * largest, 1e-300)
         error = (grads[name] - ref).norm().item() / scale
         errors[name] = error if error == error else float("inf")  # NaN: wrong
+    if loss is not None:
+        error = abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-300)
+        errors["loss"] = error if error == error else float("inf")
     return errors
 
 
 def _worst(rt, loss, grads, ref_loss, ref_grads, tolerance) -> tuple[str, float, float]:
     """(name, error, allowed) of the tensor furthest beyond its tolerance (the loss counts
     as one), the same on every rank: the worst of any rank."""
-    errors = _errors(grads, ref_grads)
-    if loss is not None:
-        error = abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-300)
-        errors["loss"] = error if error == error else float("inf")
+    errors = _errors(loss, grads, ref_loss, ref_grads)
     allowed = {name: tolerance(name) for name in errors}
     name = max(errors, key=lambda n: errors[n] / allowed[n])
     if rt.distributed:  # the rank whose worst tensor is furthest beyond decides for all

@@ -1,0 +1,102 @@
+"""The preflight check (``trainer.preflight``, engine/preflight.py): before the first
+optimizer step the run's step is compared with float64 on its first batch.
+
+It passes correct runs without changing them (the trajectory with and without it is the
+same, bit for bit), and it stops a run whose gradients are wrong with one line that names
+the tensor and the setting to change, before anything of the run is written: a planted
+wrong norm kernel (gradients 1.5x) and oneDNN's broken strided 1x1 convolution put back in
+the model (issue 6035; a subprocess with ``ONEDNN_MAX_CPU_ISA=AVX2``). DDP's check (each
+rank its own replica and batch) runs in tests/parallel/test_emulated_matches_ddp.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import needs_avx2
+
+from syncbn_lab.engine import checkpoint
+from syncbn_lab.engine.preflight import PreflightFailed
+from syncbn_lab.nn import functional
+from syncbn_lab.train import run
+
+PROBE = Path(__file__).with_name("preflight_probe.py")
+EMULATED_SYNC = ("bn=sync", "parallel=emulated", "parallel.devices=2", "trainer.max_steps=3")
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoints")
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``factor`` (a wrong kernel)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def test_a_correct_run_passes_and_trains_as_without_the_check(tmp_path, tiny_cfg):
+    on = run(tiny_cfg(*EMULATED_SYNC), tmp_path / "on")
+    off = run(tiny_cfg(*EMULATED_SYNC, "trainer.preflight=false"), tmp_path / "off")
+    assert on["preflight_error"] <= on["preflight_tolerance"] == 0.1
+    assert "preflight_error" not in off
+    losses = [
+        [json.loads(line).get("loss") for line in (tmp_path / d / "metrics.jsonl").open()]
+        for d in ("on", "off")
+    ]
+    assert losses[0] == losses[1]  # the same floats: parameters, statistics, random streams
+    a, b = (
+        checkpoint.load(tmp_path / d / "checkpoints" / "last.pt")["model"] for d in ("on", "off")
+    )
+    assert all(torch.equal(a[key], b[key]) for key in a)
+
+
+def test_a_planted_wrong_kernel_stops_the_run_before_anything_is_written(
+    tmp_path, tiny_cfg, monkeypatch
+):
+    if functional.fused_unavailable_reason() is not None:
+        pytest.skip(f"fused kernels not built: {functional.fused_unavailable_reason()}")
+    fused = functional._fused_batch_norm
+    monkeypatch.setattr(
+        functional, "_fused_batch_norm", lambda call: _ScaleGrad.apply(fused(call), 1.5)
+    )
+    with pytest.raises(PreflightFailed) as failed:
+        run(tiny_cfg(*EMULATED_SYNC, "bn.impl=fused"), tmp_path)
+    message = str(failed.value)
+    assert "\n" not in message
+    assert "off the float64 reference" in message and "fp32 allows 0.1" in message
+    assert "run with bn.impl=reference" in message, message
+    assert not any((tmp_path / name).exists() for name in RUN_OUTPUTS)
+
+
+@needs_avx2
+def test_the_broken_strided_convolution_is_caught(tmp_path):
+    # plain strided 1x1 shortcuts, channels_last, float32, two threads, AVX2 kernels: the
+    # shortcut's weight gradient is 2e2 off (at one thread the kernel corrupts the heap,
+    # so a run may also crash before the check; it is retried)
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    for attempt in range(3):
+        done = subprocess.run(
+            [sys.executable, str(PROBE), str(tmp_path / f"run{attempt}")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        if done.returncode in (0, 1):
+            break
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, done.stderr[-2000:]
+    outcome = json.loads(lines[-1])
+    assert outcome["failed"], outcome  # the canary in tests/models says when torch fixes it
+    assert "shortcut" in outcome["message"], outcome["message"]
+    assert "run with trainer.channels_last=false" in outcome["message"], outcome["message"]
