@@ -77,7 +77,7 @@ BENCH_DIR ?= reports/bench_cpu
 bench: setup data ## Run every benchmark (side-by-side ratios, not tests); JSON into BENCH_DIR
 	@mkdir -p $(BENCH_DIR)
 	$(PY) scripts/bench_train.py --full --json $(BENCH_DIR)/bench_train.json
-	$(PY) scripts/bench_step.py --json $(BENCH_DIR)/bench_step.json --profile $(BENCH_DIR)/profile_step
+	$(PY) scripts/bench_step.py --json "$(BENCH_DIR)/bench_step_{isa}.json" --profile $(BENCH_DIR)/profile_step
 	$(PY) scripts/bench_syncbn.py --json $(BENCH_DIR)/bench_syncbn.json
 	$(PY) scripts/bench_syncbn.py --no-dist --threads 2 --json $(BENCH_DIR)/bench_syncbn_2threads.json
 	$(PY) scripts/bench_kernels.py --json $(BENCH_DIR)/bench_kernels.json

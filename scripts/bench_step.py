@@ -13,11 +13,18 @@ alternate the levers, so machine noise hits every column alike; the median is pr
 It also prints the share of this machine's float32 and bfloat16 GEMM peak (a 2048x2048
 matmul, measured in the same run) that the step reaches, from the FLOPs per image that
 torch.utils.flop_counter counts (convolutions and the classifier, forward and backward), and
-a ceiling: the same step with no normalisation at all (every norm layer an identity, bf16 +
-channels_last, in this process, no data loading), timed in the same rounds. No work on the
-norm layers, the optimizer or the data can make a variant's step faster than that.
+ceilings: the same step with no normalisation at all (every norm layer an identity,
+channels_last, in fp32 and in bf16 autocast, in this process, no data loading), timed in the
+same rounds. No work on the norm layers, the optimizer or the data can make a variant's step
+in that precision faster than that.
 
-    python scripts/bench_step.py [--rounds 3] [--steps 60] [--json FILE]
+The CPU decides which levers pay: the JSON's meta records its vector ISA and whether oneDNN
+computes bf16 natively (machine.cpu_isa, machine.cpu_bf16), and ``{isa}`` in --json is
+replaced by the ISA, so each machine's figures go to their own file
+(reports/bench_cpu/bench_step_avx512.json, bench_step_avx2.json; ``ONEDNN_MAX_CPU_ISA=AVX2
+ATEN_CPU_CAPABILITY=avx2`` make an AVX-512 machine measure as an AVX2 one).
+
+    python scripts/bench_step.py [--rounds 3] [--steps 60] [--json DIR/bench_step_{isa}.json]
 """
 
 from __future__ import annotations
@@ -173,9 +180,13 @@ def resnet8(norm) -> torch.nn.Module:
     return models.build(compose(["model=resnet8"]).model, norm, 10, 1)
 
 
-def ceiling(warmup: int, steps: int) -> float:
-    """images/s of the workload's step with every norm layer an identity (bf16 autocast,
-    channels_last, SGD as the study's; synthetic batches already in memory)."""
+CEILINGS = ("fp32", "bf16")  # the precisions of the no-normalisation ceiling (channels_last)
+
+
+def ceiling(precision: str, warmup: int, steps: int) -> float:
+    """images/s of the workload's step with every norm layer an identity (channels_last, in
+    ``precision``: fp32, or bf16 autocast; SGD as the study's; synthetic batches already in
+    memory)."""
     model = resnet8(lambda channels: torch.nn.Identity()).to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4
@@ -184,7 +195,7 @@ def ceiling(warmup: int, steps: int) -> float:
     labels = torch.randint(0, 10, (BATCH,))
 
     def step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = torch.nn.functional.cross_entropy(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -241,10 +252,14 @@ def main() -> None:
     )
     samples = {(v, lever): [] for v in args.variants for lever in levers}
     warmups = {(v, lever): [] for v in args.variants for lever in levers}
-    ceilings = []
+    ceilings = {precision: [] for precision in CEILINGS}
     for round_ in range(args.rounds):
-        ceilings.append(ceiling(args.warmup, args.steps))
-        print(f"  round {round_ + 1}: no normalisation (the ceiling) {ceilings[-1]:7.0f} images/s")
+        for precision in CEILINGS:
+            ceilings[precision].append(ceiling(precision, args.warmup, args.steps))
+            print(
+                f"  round {round_ + 1}: no normalisation, {precision} + channels_last (the "
+                f"ceiling) {ceilings[precision][-1]:7.0f} images/s"
+            )
         for variant in args.variants:
             for lever in levers:
                 rate, warm = measure(variant, lever, args.warmup, args.steps)
@@ -258,13 +273,15 @@ def main() -> None:
     records = []
     columns = ("images/s", "x today", "fp32 peak", "bf16 peak", "warmup_s")
     print(f"{'variant':<17} {'lever':<31} " + " ".join(f"{c:>9}" for c in columns))
-    top = statistics.median(ceilings)
+    tops = {precision: statistics.median(rates) for precision, rates in ceilings.items()}
     for variant in args.variants:
         base = statistics.median(samples[variant, BASELINE])
-        print(
-            f"{variant:<17} {'ceiling: no normalisation':<31} {top:9.0f} {top / base:7.2f}x "
-            f"{top * flops / peaks['fp32']:9.0%} {top * flops / peaks['bf16']:9.0%}"
-        )
+        for precision, top in tops.items():
+            print(
+                f"{variant:<17} {f'ceiling: no norm, {precision} + CL':<31} {top:9.0f} "
+                f"{top / base:7.2f}x {top * flops / peaks['fp32']:9.0%} "
+                f"{top * flops / peaks['bf16']:9.0%}"
+            )
         for lever in levers:
             rate = statistics.median(samples[variant, lever])
             achieved = rate * flops
@@ -280,7 +297,7 @@ def main() -> None:
                 "share_of_fp32_peak": achieved / peaks["fp32"],
                 "share_of_bf16_peak": achieved / peaks["bf16"],
                 "warmup_s": statistics.median(warmups[variant, lever]),
-                "ceiling_ratio_to_today": top / base,
+                **{f"ceiling_{p}_ratio_to_today": top / base for p, top in tops.items()},
             }
             records.append(record)
             print(
@@ -301,11 +318,12 @@ def main() -> None:
         write_json(args.profile.with_suffix(".json"), profiles, threads=1, batch=BATCH)
         args.profile.with_suffix(".md").write_text(table)
     if args.json:
+        isa = torch.backends.cpu.get_cpu_capability().lower()
         write_json(
-            args.json,
+            str(args.json).replace("{isa}", isa),
             records,
             gemm_peak_flops={k: v for k, v in peaks.items()},
-            ceiling_images_per_s=top,
+            ceiling_images_per_s=tops,  # no normalisation, channels_last: by precision
             ceiling_images_per_s_rounds=ceilings,
             flops_per_image=flops,
             threads=1,

@@ -47,7 +47,21 @@ class SubsampledConv1x1(nn.Conv2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         step_h, step_w = self.stride
-        return F.conv2d(x[:, :, ::step_h, ::step_w], self.weight, self.bias, groups=self.groups)
+        # a dense copy in x's layout: torch.compile would otherwise hand the strided view to
+        # oneDNN as it is, and oneDNN takes that for a strided convolution's input (the same
+        # broken kernel: a compiled channels_last run crashed at one thread under AVX2,
+        # tests/models/test_strided_1x1.py)
+        layout = torch.channels_last if _channels_last(x) else torch.contiguous_format
+        subsampled = x[:, :, ::step_h, ::step_w].contiguous(memory_format=layout)
+        return F.conv2d(subsampled, self.weight, self.bias, groups=self.groups)
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    return (
+        x.dim() == 4
+        and x.is_contiguous(memory_format=torch.channels_last)
+        and (not x.is_contiguous())
+    )
 
 
 def subsample_strided_1x1(model: nn.Module) -> nn.Module:
