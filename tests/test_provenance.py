@@ -47,3 +47,29 @@ def test_write_json_puts_provenance_beside_the_records(tmp_path):
     assert document["records"] == [{"ms": 1.5}]
     assert document["meta"]["threads"] == 1
     assert document["meta"]["git_commit"] == git_commit()
+
+
+def test_each_cpu_capability_compiles_into_its_own_inductor_cache(tmp_path):
+    # Inductor's cache key leaves the capability out; a graph compiled under another one
+    # aborts the process (machine.isolate_inductor_cache)
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, syncbn_lab; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
+    base = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    base.pop("SYNCBN_LAB_INDUCTOR_CACHE_BASE", None)
+    capped = {**base, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    dirs = []
+    for env in (base, capped):
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        dirs.append(done.stdout.strip())
+    assert dirs[0] != dirs[1] and all(d.startswith(str(tmp_path) + os.sep) for d in dirs)
+    assert dirs[1].endswith("avx2-onednn_avx2")
+    inherited = {**capped, "TORCHINDUCTOR_CACHE_DIR": dirs[0]}  # a child of a native parent
+    inherited["SYNCBN_LAB_INDUCTOR_CACHE_BASE"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=inherited, capture_output=True, text=True
+    )
+    assert done.stdout.strip() == dirs[1]

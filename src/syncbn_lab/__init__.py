@@ -14,3 +14,13 @@ def _register_resolvers() -> None:
 
 
 _register_resolvers()
+
+
+def _isolate_inductor_cache() -> None:
+    """torch.compile's disk cache, one folder per CPU capability (machine.py says why)."""
+    from syncbn_lab.machine import isolate_inductor_cache
+
+    isolate_inductor_cache()
+
+
+_isolate_inductor_cache()

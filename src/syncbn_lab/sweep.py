@@ -101,7 +101,11 @@ def pin_precision(experiment: str, parts: list[dict]) -> list[dict]:
 
     pinned = []
     for part in parts:
-        cfg = multirun_config(multirun_overrides(Path("."), experiment, part["overrides"])).trainer
+        arguments = multirun_overrides(Path("."), experiment, part["overrides"])
+        try:
+            cfg = multirun_config(arguments).trainer
+        except Exception as e:  # a bad override: Hydra's message as one line
+            raise UserError(" ".join(str(e).split())) from None
         chosen = resolve(cfg.precision, torch.device(resolve_device(cfg.device)))
         overrides = part["overrides"]
         swept = any(o.startswith("trainer.precision=") and "," in o for o in overrides)

@@ -81,9 +81,9 @@ def test_cfg_job_prints_composed_config(tmp_path):
 @pytest.mark.parametrize(
     "experiment,dataset,variants,seeds,step",
     [
-        ("bn_vs_syncbn", "fashion_mnist", "bn", 3, ("bf16", True)),  # reports/fast_vs_fp32/
-        ("bn_vs_syncbn_1epoch", "fashion_mnist", "bn,sync", 4, ("bf16", True)),
-        ("bn_vs_syncbn_mnist", "mnist", "bn,sync", 3, ("fp32", False)),
+        ("bn_vs_syncbn", "fashion_mnist", "bn", 3, ("auto", True)),  # reports/fast_vs_fp32/
+        ("bn_vs_syncbn_1epoch", "fashion_mnist", "bn,sync", 4, ("auto", True)),
+        ("bn_vs_syncbn_mnist", "mnist", "bn,sync", 3, ("auto", False)),
     ],
 )
 def test_study_experiments(experiment, dataset, variants, seeds, step):
