@@ -25,8 +25,8 @@ import torch
 _DTYPES = {"fp64": torch.float64}
 
 # Measured with scripts/bench_step.py (reports/bench_cpu/bench_step_avx2.json): resnet8 at
-# 32 emulated devices, one thread, ONEDNN_MAX_CPU_ISA=AVX2, bf16 + channels_last against
-# fp32 + channels_last.
+# 32 emulated devices, one thread, ONEDNN_MAX_CPU_ISA=AVX2: bf16 + channels_last 111 images/s
+# against 1061 for fp32 + channels_last (9.6x; 9.0-9.8x over bn and sync at 1 and 32 devices).
 BF16_EMULATED_SLOWDOWN = "about ten times"
 
 
