@@ -8,7 +8,16 @@ import pytest
 import torch
 from torch import nn
 
-from syncbn_lab.nn import BatchNorm, SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from syncbn_lab.nn import (
+    BatchNorm,
+    BatchRenorm,
+    SyncBatchNorm,
+    SyncBatchNormAct,
+    convert_sync_batchnorm,
+    is_sync_batchnorm,
+    register_batchnorm_subclass,
+    revert_sync_batchnorm,
+)
 from syncbn_lab.nn.sync_batchnorm import TORCH_BN_TAKES_BIAS
 
 
@@ -113,20 +122,88 @@ def test_revert_also_handles_torch_sync_batchnorm():
     assert type(reverted[0]) is nn.BatchNorm2d and reverted[0].bias is None
 
 
-def test_subclass_warns_with_its_name():
+def test_unknown_subclass_is_refused_with_its_name_and_the_model_is_unchanged():
     class FancyBatchNorm(nn.BatchNorm2d):
         def forward(self, x):
             return super().forward(x) * 2
 
-    with pytest.warns(UserWarning, match="FancyBatchNorm"):
-        converted = convert_sync_batchnorm(nn.Sequential(FancyBatchNorm(4)))
-    assert type(converted[0]) is SyncBatchNorm
+    model = nn.Sequential(nn.BatchNorm2d(4), FancyBatchNorm(4))
+    with pytest.raises(TypeError, match="FancyBatchNorm") as raised:
+        convert_sync_batchnorm(model)
+    assert "\n" not in str(raised.value) and "register_batchnorm_subclass" in str(raised.value)
+    assert [type(m) for m in model] == [nn.BatchNorm2d, FancyBatchNorm]  # nothing converted
+    with pytest.raises(TypeError, match="BatchRenorm"):  # ours too: its renorm would be lost
+        convert_sync_batchnorm(BatchRenorm(4))
 
     class FancySync(SyncBatchNorm):
         pass
 
-    with pytest.warns(UserWarning, match="FancySync"):
-        assert type(revert_sync_batchnorm(FancySync(4))) is nn.BatchNorm2d
+    with pytest.raises(TypeError, match="FancySync"):
+        revert_sync_batchnorm(nn.Sequential(FancySync(4)))
+
+
+def test_registered_subclass_keeps_its_submodules_and_reverts(monkeypatch):
+    """A BatchNorm subclass that adds a submodule converts into the registered SyncBatchNorm
+    subclass that applies it: the same output in one process, the same state-dict keys, and
+    revert gives the original class back."""
+    from syncbn_lab.nn import convert
+
+    class ScaledBatchNorm(nn.BatchNorm2d):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.act = nn.Tanh()
+
+        def forward(self, x):
+            return self.act(super().forward(x))
+
+    class ScaledSync(SyncBatchNormAct):
+        pass
+
+    monkeypatch.setattr(convert, "_TO_SYNC", dict(convert._TO_SYNC))
+    monkeypatch.setattr(convert, "_TO_PLAIN", dict(convert._TO_PLAIN))
+    register_batchnorm_subclass(ScaledBatchNorm, ScaledSync)
+    torch.manual_seed(0)
+    original = ScaledBatchNorm(4).double()
+    with torch.no_grad():
+        original.weight.uniform_(0.5, 1.5)
+    x = torch.randn(6, 4, 3, 3, dtype=torch.float64) * 3 + 1
+    expected = original(x)
+    keys = list(original.state_dict())
+    synced = convert_sync_batchnorm(original)
+    assert type(synced) is ScaledSync and isinstance(synced.act, nn.Tanh)
+    assert list(synced.state_dict()) == keys
+    torch.testing.assert_close(synced(x), expected, rtol=1e-12, atol=1e-12)
+    reverted = revert_sync_batchnorm(synced)
+    assert type(reverted) is ScaledBatchNorm and reverted.act is synced.act
+    with pytest.raises(TypeError, match="subclass of syncbn_lab.nn.SyncBatchNorm"):
+        register_batchnorm_subclass(ScaledBatchNorm, nn.SyncBatchNorm)
+
+
+def test_converting_twice_changes_nothing():
+    model = _model()
+    once = convert_sync_batchnorm(model, group_size=2)
+    layers, tensors = _norms(once), [*once.parameters(), *once.buffers()]
+    twice = convert_sync_batchnorm(once, group_size=2)
+    assert twice is once and _norms(twice) == layers  # the same layer objects
+    assert all(
+        a is b for a, b in zip([*twice.parameters(), *twice.buffers()], tensors, strict=True)
+    )
+    reverted = _norms(revert_sync_batchnorm(twice))
+    assert [type(m) for m in reverted] == [
+        nn.BatchNorm2d,
+        nn.BatchNorm1d,
+        nn.BatchNorm3d,
+        BatchNorm,
+    ]
+    regrouped = convert_sync_batchnorm(SyncBatchNorm(4, group_size=2), process_group=None)
+    assert regrouped.group_size is None  # a second call with another group regroups in place
+
+
+def test_is_sync_batchnorm_sees_ours_and_torchs():
+    assert is_sync_batchnorm(SyncBatchNorm(4)) and is_sync_batchnorm(nn.SyncBatchNorm(4))
+    assert is_sync_batchnorm(SyncBatchNormAct(4))
+    assert not is_sync_batchnorm(nn.BatchNorm2d(4)) and not is_sync_batchnorm(BatchNorm(4))
+    assert not isinstance(SyncBatchNorm(4), nn.SyncBatchNorm)  # why the helper exists
 
 
 def test_process_group_is_passed_on_and_lazy_modules_are_refused():

@@ -14,10 +14,19 @@ from syncbn_lab.nn.comm import (
     communicator_for,
     subgroup_for,
 )
-from syncbn_lab.nn.convert import convert_sync_batchnorm, revert_sync_batchnorm
+from syncbn_lab.nn.convert import (
+    convert_sync_batchnorm,
+    register_batchnorm_subclass,
+    revert_sync_batchnorm,
+)
 from syncbn_lab.nn.functional import batch_norm
 from syncbn_lab.nn.group_norm import GroupNorm
-from syncbn_lab.nn.sync_batchnorm import BatchNorm, SyncBatchNorm
+from syncbn_lab.nn.sync_batchnorm import (
+    BatchNorm,
+    SyncBatchNorm,
+    SyncBatchNormAct,
+    is_sync_batchnorm,
+)
 
 __all__ = [
     "BatchNorm",
@@ -27,9 +36,12 @@ __all__ = [
     "LocalCommunicator",
     "ProcessGroupCommunicator",
     "SyncBatchNorm",
+    "SyncBatchNormAct",
     "batch_norm",
     "communicator_for",
     "convert_sync_batchnorm",
+    "is_sync_batchnorm",
+    "register_batchnorm_subclass",
     "revert_sync_batchnorm",
     "subgroup_for",
 ]

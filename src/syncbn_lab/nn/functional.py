@@ -314,9 +314,10 @@ def _fused_single_op(call: BatchNormCall) -> Tensor:
         # Traced without the guard of _fused_mean_too_coarse (a data-dependent branch would
         # break the graph), and with a tensor factor for momentum=None for the same reason.
         if track:
-            factor = momentum if momentum is not None else 1.0 / call.num_batches_tracked
             with torch.no_grad():
-                _update_running_stats(running_mean, running_var, out.mean[0], out.var[0], m, factor)
+                _update_running_stats(
+                    running_mean, running_var, out.mean[0], out.var[0], m, _momentum_factor(call)
+                )
         return out.y
     # Eager: the guard and the running statistics in one op call.
     factor = momentum if momentum is not None else 0.0
@@ -528,7 +529,7 @@ class _FusedBatchNormFunction(torch.autograd.Function):
         if not need_x:
             return None, grad_weight, grad_bias, None, None, None
         sum_dy, sum_dy_xhat = _reduce_grad_sums(sum_dy, sum_dy_xhat, ctx.group_size, ctx.comm)
-        count = mean.new_full((1,), float(ctx.count))
+        count = count_tensor(ctx.count, mean)
         grad_x = ops.backward_elemt(
             grad_y, x, mean, invstd, weight, bias, sum_dy, sum_dy_xhat, count
         )
@@ -588,10 +589,11 @@ def _per_slice(per_group: Tensor, group_size: int) -> Tensor:
 
 def global_moments(
     mean: Tensor, m2: Tensor, n: int, call: BatchNormCall
-) -> tuple[Tensor, Tensor, int]:
+) -> tuple[Tensor, Tensor, int | Tensor]:
     """Slices' float64 mean and M2 (D, C) of n values each -> each slice's group mean and
     biased variance (D, C) and the count m: the payload, its one all_reduce, the count check,
-    the running update."""
+    the running update. m is an int, or a 0-d tensor after a collective under torch.compile
+    (see :func:`_global_count`)."""
     group_size, comm = call.group_size, call.comm
     payload = _group_sum(_stats_payload(n, mean, m2), group_size)
     if comm is not None:
@@ -599,11 +601,20 @@ def global_moments(
     count, mean, var = _moments_from_payload(payload)
     m = _global_count(count, n * group_size, comm)
     _check_count(m, call.x, call.devices, comm)
-    if call.running_mean is not None and m > 0:
-        momentum = call.momentum
-        factor = momentum if momentum is not None else 1.0 / float(call.num_batches_tracked)
+    if call.running_mean is not None and (isinstance(m, Tensor) or m > 0):
+        factor = _momentum_factor(call)
         _update_running_stats(call.running_mean, call.running_var, mean[0], var[0], m, factor)
     return _per_slice(mean, group_size), _per_slice(var, group_size), m
+
+
+def _momentum_factor(call: BatchNormCall) -> float | Tensor:
+    """The running average's factor: ``momentum``, or 1/num_batches_tracked for None (a
+    tensor under torch.compile, where reading the counter back would break the graph)."""
+    if call.momentum is not None:
+        return call.momentum
+    if torch.compiler.is_compiling():
+        return 1.0 / call.num_batches_tracked
+    return 1.0 / float(call.num_batches_tracked)
 
 
 def _reduce_grad_sums(
@@ -627,15 +638,28 @@ def _moments_from_payload(payload: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return count[:, 0], mean, var
 
 
-def _global_count(count: Tensor, local_count: int, comm: Communicator | None) -> int:
-    """Values per channel that share the statistics; read back only after a real collective."""
+def _global_count(count: Tensor, local_count: int, comm: Communicator | None) -> int | Tensor:
+    """Values per channel that share the statistics; read back only after a real collective.
+
+    Under torch.compile it stays the reduced 0-d float64 tensor: a read-back would end the
+    graph there, so the check for one value per channel is eager-only and the running update
+    and the input gradient take the count as a tensor."""
     if comm is None or comm.world_size == 1:
         return local_count
+    if torch.compiler.is_compiling():
+        return count[0]
     return int(count[0].item())
 
 
-def _check_count(m: int, x: Tensor, devices: int, comm: Communicator | None) -> None:
-    if m == 1:
+def count_tensor(count: int | Tensor, like: Tensor) -> Tensor:
+    """The count m as the (1,) tensor of ``like``'s dtype that the fused backward takes."""
+    if isinstance(count, Tensor):
+        return count.to(like.dtype).reshape(1)
+    return like.new_full((1,), float(count))
+
+
+def _check_count(m: int | Tensor, x: Tensor, devices: int, comm: Communicator | None) -> None:
+    if not isinstance(m, Tensor) and m == 1:
         where = f"over {comm.world_size} rank(s)" if comm is not None else "per device slice"
         raise ValueError(
             "Expected more than 1 value per channel when training, got 1 value per channel "
@@ -648,11 +672,18 @@ def _update_running_stats(
     running_var: Tensor,
     mean: Tensor,
     var: Tensor,
-    m: int,
+    m: int | Tensor,
     factor: float | Tensor,
 ) -> None:
-    """running <- (1 - factor) * running + factor * batch, with the unbiased variance."""
-    unbiased_var = var * (m / (m - 1))  # var * m/(m-1), m = the global count
+    """running <- (1 - factor) * running + factor * batch, with the unbiased variance.
+
+    A tensor ``m`` (torch.compile) may be 0 (every rank empty): the factor is masked to 0
+    instead of a branch on the count."""
+    if isinstance(m, Tensor):
+        factor = (factor * (m > 0)).to(running_mean.dtype)
+        unbiased_var = var * (m / (m - 1).clamp_min(1))
+    else:
+        unbiased_var = var * (m / (m - 1))  # var * m/(m-1), m = the global count
     running_mean.lerp_(mean.to(running_mean.dtype), factor)
     running_var.lerp_(unbiased_var.to(running_var.dtype), factor)
 
@@ -663,7 +694,7 @@ def input_grad(
     scale: Tensor,
     sum_dy: Tensor,
     sum_dy_xhat: Tensor,
-    count: int,
+    count: int | Tensor,
     shape: SliceShape,
     out: Tensor | None = None,
 ) -> Tensor:
@@ -676,7 +707,7 @@ def input_grad(
     with ``scale`` = gamma * invstd and ``m`` = ``count`` values per channel. Batch
     Renormalization's is the same with scale = gamma * r / sigma_B (docs/batchnorm.md §9).
     Returns ``out``, a new tensor when it is None."""
-    m = max(count, 1)
+    m = count.clamp_min(1) if isinstance(count, Tensor) else max(count, 1)
     dx = scale_shift(out, dy, shape.per_slice(scale), shape.per_slice(-scale * sum_dy / m))
     dx.addcmul_(xhat, shape.per_slice(-scale * sum_dy_xhat / m))
     return dx

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn import init
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
@@ -20,7 +20,7 @@ from syncbn_lab.nn.comm import Communicator, LocalCommunicator, communicator_for
 # Whether torch's own BatchNorm takes `bias` (older releases, 2.11 among them, do not).
 TORCH_BN_TAKES_BIAS = "bias" in inspect.signature(_NormBase.__init__).parameters
 
-__all__ = ["BatchNorm", "SyncBatchNorm"]
+__all__ = ["BatchNorm", "SyncBatchNorm", "SyncBatchNormAct", "is_sync_batchnorm"]
 
 
 def _check_impl(impl: str) -> str:
@@ -204,6 +204,12 @@ class SyncBatchNorm(BatchNorm):
             impl=impl,
             device_slices=device_slices,
         )
+        self.set_group(process_group, group_size)
+
+    def set_group(
+        self, process_group: dist.ProcessGroup | None = None, group_size: int | None = None
+    ) -> None:
+        """Who synchronises with whom from the next training step on (see the class)."""
         if process_group is not None and group_size is not None:
             raise ValueError("give SyncBatchNorm either process_group or group_size, not both")
         if group_size is not None and group_size < 1:
@@ -231,3 +237,27 @@ class SyncBatchNorm(BatchNorm):
         if self.group_size is not None:
             extra += f", group_size={self.group_size}"
         return extra
+
+
+class SyncBatchNormAct(SyncBatchNorm):
+    """SyncBatchNorm followed by its ``drop`` and then its ``act`` module (both Identity
+    unless given): what ``convert_sync_batchnorm`` makes of timm's ``BatchNormAct2d``, with
+    the same submodules and state-dict keys. Takes SyncBatchNorm's arguments plus ``drop``
+    and ``act``."""
+
+    def __init__(
+        self, *args, drop: nn.Module | None = None, act: nn.Module | None = None, **kwargs
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.drop = drop if drop is not None else nn.Identity()
+        self.act = act if act is not None else nn.Identity()
+
+    def forward(self, input: Tensor) -> Tensor:
+        return self.act(self.drop(super().forward(input)))
+
+
+def is_sync_batchnorm(module: nn.Module) -> bool:
+    """Whether ``module`` normalises over the global batch: this package's SyncBatchNorm (any
+    subclass) or ``torch.nn.SyncBatchNorm``. Ours is not a subclass of torch's (DDP refuses
+    torch's on CPU modules), so ``isinstance(m, torch.nn.SyncBatchNorm)`` misses it."""
+    return isinstance(module, (SyncBatchNorm, nn.SyncBatchNorm))
