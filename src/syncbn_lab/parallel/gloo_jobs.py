@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -77,7 +78,10 @@ def _worker(
             timeout=timedelta(seconds=pg_timeout_s),
         )
         value = load_function(target)(rank, world_size, *args)
-        results.put((rank, True, value))
+        # Pickled by value here: through the queue torch's reductions would hand a tensor's
+        # storage over as a file descriptor, which the parent can only fetch while this
+        # process lives (it exits right after; the parent then fails with ECONNRESET).
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # report everything, including KeyboardInterrupt in a child
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -147,7 +151,7 @@ def run_distributed(
                 continue
             if not ok:
                 raise DistributedJobError(f"rank {rank} of {world_size} failed:\n{value}")
-            values[rank] = value
+            values[rank] = pickle.loads(value)
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:
