@@ -88,7 +88,10 @@ class Trainer:
         self.module = model_without_ddp
         self.layout = compute.memory_format(cfg.trainer.get("channels_last", False))
         self.compiled = bool(cfg.trainer.get("compile", False))
-        self.model = compute.compile_model(model) if self.compiled else model
+        self.model = model  # compiled: as one graph, except under DDP (engine/compute.py)
+        if self.compiled:
+            self.model = compute.compile_model(model, fullgraph=not rt.distributed)
+            self.compile_counts = compute.compile_counts()  # the run's own count from here
         self.optimizer, self.loaders, self.logger = optimizer, loaders, logger
         self.run_dir = run_dir
         self.bn_buffers = bn_buffers if bn_buffers is not None else BNBuffers()
@@ -387,6 +390,9 @@ class Trainer:
             "step_time_s": self.train_time / max(state.step, 1),
             **traffic,  # DDP: bytes this rank handed to collectives per training step
         }
+        if self.compiled:  # graphs compiled and recompilations in this process's fit
+            counts = compute.compile_counts()
+            result.update({k: counts[k] - self.compile_counts[k] for k in counts})
         if cfg.get("eval_batch_stats"):
             result.update(self.batch_stats(test))
         if cfg.precise_bn_batches:

@@ -1,5 +1,6 @@
 """BatchNorm math and layers: per-device BN, SyncBN over any communicator, Batch
-Renormalization, a GroupNorm for channels_last on CPU, conversion helpers.
+Renormalization, a GroupNorm for channels_last on CPU, conversion helpers, and the Joinable
+step for uneven inputs under DDP.
 
 ``functional.batch_norm`` is the reference (hand-written forward and backward);
 ``BatchNorm``/``SyncBatchNorm`` are the modules; ``comm`` holds the communicators that are the
@@ -21,6 +22,7 @@ from syncbn_lab.nn.convert import (
 )
 from syncbn_lab.nn.functional import batch_norm
 from syncbn_lab.nn.group_norm import GroupNorm
+from syncbn_lab.nn.join import JoinableStep
 from syncbn_lab.nn.sync_batchnorm import (
     BatchNorm,
     SyncBatchNorm,
@@ -33,6 +35,7 @@ __all__ = [
     "BatchRenorm",
     "Communicator",
     "GroupNorm",
+    "JoinableStep",
     "LocalCommunicator",
     "ProcessGroupCommunicator",
     "SyncBatchNorm",

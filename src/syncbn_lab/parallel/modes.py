@@ -255,15 +255,7 @@ def register(mode: ParallelMode) -> ParallelMode:
 for _mode in (
     _Single("single"),
     _Emulated("emulated", emulated=True),
-    _DDP(
-        "ddp",
-        distributed=True,
-        compile_refusal=(
-            "trainer.compile=true compiles one-process runs (parallel=single or emulated): "
-            "DistributedDataParallel's forward and SyncBN's all_reduce do not trace as one "
-            "graph; use trainer.compile=false, or parallel=emulated for the same numerics"
-        ),
-    ),
+    _DDP("ddp", distributed=True),
     _DataParallel(
         "dp",
         compile_refusal=(
