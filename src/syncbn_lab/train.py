@@ -212,7 +212,8 @@ def _work(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[
     trainer.logger = logger
     exit_code = 1
     try:
-        # data, model, compile set-up and a resume's checkpoint, before the preflight check
+        # data, model, compile set-up, a resume's checkpoint and the run logger (W&B), not the
+        # preflight check
         startup = time.perf_counter() - started - checked.get("preflight_s", 0.0)
         result = trainer.fit()
         summary = {
