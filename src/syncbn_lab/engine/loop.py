@@ -137,6 +137,8 @@ class Trainer:
         self.accumulate = cfg.trainer.accumulate
         self.steps_per_epoch, self.total_steps = step_counts(cfg.trainer, len(loaders.train))
         self.val_steps = val_steps_in_epoch(cfg.trainer.eval_every, self.steps_per_epoch)
+        # within-epoch validation only in the first this many epochs (None: in every epoch)
+        self.dense_epochs = cfg.trainer.get("eval_dense_epochs")
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]
         self.state = TrainState()
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=cfg.trainer.precision == "fp16")
@@ -371,7 +373,9 @@ class Trainer:
                     p.window_images, p.window_time = 0, 0.0
                 # val within the epoch (trainer.eval_every < 1), before a stop's or a due
                 # checkpoint: a run resumed from it continues after this evaluation
-                if state.step_in_epoch in self.val_steps and state.step < self.total_steps:
+                within = self.dense_epochs is None or epoch < self.dense_epochs
+                within = within and state.step_in_epoch in self.val_steps
+                if within and state.step < self.total_steps:
                     record = {
                         "step": state.step,
                         "epoch": epoch + state.step_in_epoch / self.steps_per_epoch,
