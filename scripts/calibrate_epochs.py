@@ -1,7 +1,8 @@
-"""Calibrate the study's length: bn's test error after 1, 2, 4, ... epochs, at 64 and 2 images
-per device, by seed; writes reports/calibration_epochs/ (README.md, results.csv).
+"""Calibrate a study's length: bn's test error after 1, 2, 4, ... epochs, at two device counts,
+by seed; writes reports/calibration_epochs/ (README.md, results.csv) for the 64-image study
+(64 and 2 images per device), reports/calibration_<experiment>/ for another --experiment.
 
-Runs one Hydra multirun of ``experiment=bn_vs_syncbn`` (the study's model, data and fast
+Runs one Hydra multirun of ``experiment=<--experiment>`` (the study's model, data and
 configuration, two jobs at a time) over the lengths, device counts and seeds, into --sweep-dir;
 runs that finished there before are kept (``skip_finished``), so the same command finishes
 an interrupted calibration. --report-only writes the report from the sweep dirs as they are
@@ -11,6 +12,7 @@ earlier calibration's results.csv (whose run dirs are gone).
     python scripts/calibrate_epochs.py [--epochs 1 2 4 8] [--seeds 0 1] [--devices 1 32]
     python scripts/calibrate_epochs.py --epochs 16 --sweep-dir multirun/calibration_epochs/16ep \
         --with-csv reports/calibration_epochs/results.csv
+    python scripts/calibrate_epochs.py --experiment nbs_256 --devices 1 128 --epochs 1 2 4 8 16
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experiment", default="bn_vs_syncbn", help="the study to calibrate")
     parser.add_argument("--epochs", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 32])
@@ -40,21 +43,29 @@ def main() -> None:
         "--sweep-dir",
         type=Path,
         nargs="+",
-        default=[ROOT / "multirun/calibration_epochs/latest"],
-        help="where the runs go (the first) and are read from (all)",
+        default=None,
+        help="where the runs go (the first) and are read from (all); default "
+        "multirun/<the report's name>/latest",
     )
-    parser.add_argument("--report", type=Path, default=ROOT / "reports/calibration_epochs")
+    parser.add_argument("--report", type=Path, default=None, help="default: see above")
     parser.add_argument("--report-only", action="store_true", help="do not train; report")
     parser.add_argument(
         "--with-csv", type=Path, nargs="*", default=[], help="earlier results.csv to include"
     )
     parser.add_argument("--note", default=None, help="a sentence the report adds on the runs")
     args = parser.parse_args()
+    name = (
+        "calibration_epochs"
+        if args.experiment == "bn_vs_syncbn"
+        else f"calibration_{args.experiment}"
+    )
+    args.report = args.report or ROOT / "reports" / name
+    args.sweep_dir = args.sweep_dir or [ROOT / "multirun" / name / "latest"]
     started = time.monotonic()
     if not args.report_only:
         join = lambda values: ",".join(map(str, values))  # noqa: E731
         subprocess.run(
-            [sys.executable, str(ROOT / "scripts/train.py"), "-m", "experiment=bn_vs_syncbn",
+            [sys.executable, str(ROOT / "scripts/train.py"), "-m", f"experiment={args.experiment}",
              "bn=bn", f"parallel.devices={join(args.devices)}", f"trainer.seed={join(args.seeds)}",
              f"trainer.epochs={join(sorted(args.epochs, reverse=True))}", "logger=none",
              "skip_finished=true", f"hydra.sweep.dir={args.sweep_dir[0]}"],
@@ -83,6 +94,8 @@ def main() -> None:
             "machine": f"{machine['cpu']} ({machine['cores']} cores)",
             "wall": f"{training / 60:.0f} min of training time in all, two runs at a time",
         },
+        experiment=args.experiment,
+        global_batch=runs[0]["per_device_batch_size"] * runs[0]["devices"],
     )
     if args.note:
         text += f"\n{args.note}\n"

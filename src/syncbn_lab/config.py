@@ -87,6 +87,8 @@ def validate(cfg: DictConfig) -> RunShape:
     positive(p.devices, "parallel.devices")
     if t.max_steps is not None:
         positive(t.max_steps, "trainer.max_steps")
+    if t.get("eval_dense_epochs") is not None:
+        positive(t.eval_dense_epochs, "trainer.eval_dense_epochs")
     if t.get("eval_images") is not None:
         positive(t.eval_images, "trainer.eval_images")
     if t.get("overfit_batches") is not None:

@@ -212,10 +212,14 @@ def _work(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[
     trainer.logger = logger
     exit_code = 1
     try:
+        # data, model, compile set-up, a resume's checkpoint and the run logger (W&B), not the
+        # preflight check
+        startup = time.perf_counter() - started - checked.get("preflight_s", 0.0)
         result = trainer.fit()
         summary = {
             **result,
             **checked,
+            "time_startup_s": startup,
             "wall_time_s": time.perf_counter() - started,
             "precision": t.precision,
             "global_batch_size": t.global_batch_size,

@@ -54,6 +54,15 @@ def test_render_states_each_doubling_and_the_plateau():
     assert "- 2 images per device: not yet at 8 epochs" in text
 
 
+def test_render_names_the_experiment_and_its_global_batch():
+    text = calibration.render(
+        runs({1: 12.0, 2: 11.0}) + runs({1: 14.0, 2: 13.0}, 128), FLOOR,
+        dict.fromkeys(("command", "commit", "machine", "wall"), "x"), "nbs_256", 256,
+    )  # fmt: skip
+    assert "`experiment=nbs_256` (resnet8, global batch 256," in text
+    assert "| 256 | 1 → 2 |" in text and "| 2 | 1 → 2 |" in text
+
+
 REPORT = ROOT / "reports" / "calibration_epochs"
 
 

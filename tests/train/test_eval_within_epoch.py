@@ -77,6 +77,21 @@ def test_val_within_epochs_is_the_model_of_that_step_and_a_resume_logs_it_alike(
         assert resumed[key] == whole[key], key
 
 
+def test_dense_epochs_validate_within_the_first_epochs_only(tmp_path, tiny_cfg):
+    """trainer.eval_dense_epochs=1: quarters in epoch 1, then the ends of epochs 2 and 3; the
+    values at those steps are the full schedule's (validation does not change training)."""
+    three = [*QUARTERS, "trainer.epochs=3"]
+    run(tiny_cfg(*three), tmp_path / "full")
+    run(tiny_cfg(*three, "trainer.eval_dense_epochs=1"), tmp_path / "dense")
+    sparse = val_records(tmp_path / "dense")
+    assert [r["step"] for r in sparse] == [2, 4, 6, 8, 16, 24]
+    full = {r["step"]: r for r in val_records(tmp_path / "full")}
+    assert all(r["val/acc"] == full[r["step"]]["val/acc"] for r in sparse)
+    assert sparse[-1]["val/loss"] == full[24]["val/loss"]
+    with pytest.raises(ConfigError, match="trainer.eval_dense_epochs=0 must be a positive"):
+        run(tiny_cfg(*QUARTERS, "trainer.eval_dense_epochs=0"), tmp_path / "bad")
+
+
 @pytest.mark.parametrize("value", [0, 1.5, True, "quarter"])
 def test_eval_every_is_whole_epochs_or_a_fraction_of_one(tmp_path, tiny_cfg, value):
     with pytest.raises(ConfigError, match=f"trainer.eval_every={value} must be a whole number"):

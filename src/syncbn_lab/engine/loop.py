@@ -65,6 +65,43 @@ class EpochProgress:
     window_time: float = 0.0
 
 
+class PhaseClock:
+    """Seconds this process spends in each phase of a run outside its training steps
+    (validation, checkpoints, logging, the test passes): ``with clock("validation"): ...``.
+    A phase entered inside another counts towards the inner one only (best.pt written during
+    a validation is checkpoint time), so the phases never add up to more than the wall time.
+    ``now``: the clock to read (a fake one in tests)."""
+
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self.now = now
+        self.seconds: dict[str, float] = {}
+        self._open: list[list] = []  # [phase, since] of the phases entered, innermost last
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        self._pause()
+        self._open.append([phase, self.now()])
+        try:
+            yield
+        finally:
+            self._pause()
+            self._open.pop()
+            if self._open:
+                self._open[-1][1] = self.now()
+
+    def _pause(self) -> None:
+        """Credit the innermost open phase with the time since it was last credited."""
+        if self._open:
+            now = self.now()
+            phase, since = self._open[-1]
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + now - since
+            self._open[-1][1] = now
+
+    def summary(self) -> dict[str, float]:
+        """{"time_<phase>_s": seconds} for the summary."""
+        return {f"time_{phase}_s": seconds for phase, seconds in self.seconds.items()}
+
+
 class Trainer:
     """Runs ``fit`` for one process. ``model`` may be wrapped (DDP, DataParallel, emulated
     devices); ``model_without_ddp`` is what gets evaluated and checkpointed (as in
@@ -103,11 +140,14 @@ class Trainer:
         self.accumulate = cfg.trainer.accumulate
         self.steps_per_epoch, self.total_steps = step_counts(cfg.trainer, len(loaders.train))
         self.val_steps = val_steps_in_epoch(cfg.trainer.eval_every, self.steps_per_epoch)
+        # within-epoch validation only in the first this many epochs (None: in every epoch)
+        self.dense_epochs = cfg.trainer.get("eval_dense_epochs")
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]
         self.state = TrainState()
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=cfg.trainer.precision == "fp16")
         self.train_time = 0.0
         self.images_seen = 0
+        self.clock = PhaseClock()  # where the time outside the training steps goes
         self.progress = self.new_progress()
         # [loss sum, correct, count] of the last finished epoch over all devices (the summary)
         self.last_epoch_totals = torch.zeros(3, dtype=torch.float64, device=rt.device)
@@ -184,6 +224,10 @@ class Trainer:
 
     def save(self, name: str) -> Path:
         """Write checkpoints/<name> (rank 0); every rank must call it (it gathers)."""
+        with self.clock("checkpoints"):
+            return self._save(name)
+
+    def _save(self, name: str) -> Path:
         state = self.state_dict()
         path = self.run_dir / "checkpoints" / name
         if self.rt.is_main:
@@ -275,6 +319,7 @@ class Trainer:
         val = {}
         steps_here = 0  # optimizer steps this process ran (a resumed run counts from there)
         TRAFFIC.reset()  # count only this fit's training steps
+        train_time_before = self.train_time
         self.model.train()
         while state.epoch < epochs and state.step < self.total_steps:
             epoch = state.epoch
@@ -308,7 +353,7 @@ class Trainer:
                 p.window_time += elapsed
                 loss, stop, checkpoint_due = self.agree(totals)
                 if not math.isfinite(loss):
-                    self.logger.log({"step": state.step, "lr": lr, "train/loss": loss})
+                    self.log({"step": state.step, "lr": lr, "train/loss": loss})
                     raise Diverged(state.step, loss, lr)
                 if state.step % cfg.log_every == 0:
                     reduced = rt.all_reduce_sum(p.window.clone())
@@ -320,7 +365,7 @@ class Trainer:
                         "train/acc": (100 * reduced[1] / reduced[2]).item(),
                         "images_per_s": p.window_images / max(p.window_time, 1e-9),
                     }
-                    self.logger.log(record)
+                    self.log(record)
                     if progress is not None:
                         progress.set_postfix(
                             loss=f"{record['train/loss']:.4f}",
@@ -331,13 +376,15 @@ class Trainer:
                     p.window_images, p.window_time = 0, 0.0
                 # val within the epoch (trainer.eval_every < 1), before a stop's or a due
                 # checkpoint: a run resumed from it continues after this evaluation
-                if state.step_in_epoch in self.val_steps and state.step < self.total_steps:
+                within = self.dense_epochs is None or epoch < self.dense_epochs
+                within = within and state.step_in_epoch in self.val_steps
+                if within and state.step < self.total_steps:
                     record = {
                         "step": state.step,
                         "epoch": epoch + state.step_in_epoch / self.steps_per_epoch,
                     }
                     val = self.validate(record)
-                    self.logger.log(record)
+                    self.log(record)
                     if rt.is_main:
                         (progress.write if progress is not None else print)(_epoch_line(record))
                 if progress is not None:
@@ -367,14 +414,16 @@ class Trainer:
             }
             if cfg.eval_every < 1 or state.epoch % cfg.eval_every == 0 or finished:
                 val = self.validate(record)
-            self.logger.log(record)
+            self.log(record)
             self.save("last.pt")
             if rt.is_main:  # stays on the screen (the progress bar does not) and in train.log
                 print(_epoch_line(record), flush=True)
             if finished:
                 break
         traffic = TRAFFIC.per_step(steps_here) if rt.distributed else {}
-        test = self.evaluate(self.loaders.test)
+        steps_time = self.train_time - train_time_before
+        with self.clock("test"):
+            test = self.evaluate(self.loaders.test)
         result = {
             "test_acc": test["acc"],
             "test_loss": test["loss"],
@@ -394,15 +443,24 @@ class Trainer:
             counts = compute.compile_counts()
             result.update({k: counts[k] - self.compile_counts[k] for k in counts})
         if cfg.get("eval_batch_stats"):
-            result.update(self.batch_stats(test))
+            with self.clock("test_batch_stats"):
+                result.update(self.batch_stats(test))
         if cfg.precise_bn_batches:
-            result.update(self.precise_bn(test))
-        return result
+            with self.clock("precise_bn"):
+                result.update(self.precise_bn(test))
+        # this process's seconds: its training steps (train_time_s counts a resumed run's
+        # earlier processes too) and each phase outside them
+        return {**result, "time_steps_s": steps_time, **self.clock.summary()}
+
+    def log(self, record: dict[str, Any]) -> None:
+        with self.clock("logging"):
+            self.logger.log(record)
 
     def validate(self, record: dict[str, Any]) -> dict[str, float]:
         """Evaluate on val, add val/loss and val/acc to ``record``, and write best.pt when
         val accuracy is the best so far (every rank calls it: it may save)."""
-        val = self.evaluate(self.loaders.val)
+        with self.clock("validation"):
+            val = self.evaluate(self.loaders.val)
         record.update({"val/loss": val["loss"], "val/acc": val["acc"]})
         if val["acc"] > self.state.best_val_acc:
             self.state.best_val_acc = val["acc"]

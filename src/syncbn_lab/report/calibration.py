@@ -64,17 +64,24 @@ def _mean_std(values: dict[int, float], digits: int) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
-def render(runs: list[dict[str, Any]], floor: float, meta: dict[str, str]) -> str:
+def render(
+    runs: list[dict[str, Any]],
+    floor: float,
+    meta: dict[str, str],
+    experiment: str = "bn_vs_syncbn",
+    global_batch: int = 64,
+) -> str:
     """The calibration's README.md: test error and the last epoch's training loss per
-    length, each doubling against the noise, and where the plateau starts."""
+    length, each doubling against the noise, and where the plateau starts, for runs of
+    ``experiment`` at ``global_batch`` images a step."""
     devices = sorted({r["devices"] for r in runs})
     seeds = sorted({r["seed"] for r in runs})
     noise = math.sqrt(2) * floor
     lines = [
         "# How long the study must train: test error against epochs",
         "",
-        "bn (per-device BatchNorm) on Fashion-MNIST with `experiment=bn_vs_syncbn` (resnet8, "
-        "global batch 64, cosine schedule over the run, the study's fast configuration), "
+        f"bn (per-device BatchNorm) on Fashion-MNIST with `experiment={experiment}` (resnet8, "
+        f"global batch {global_batch}, cosine schedule over the run, the study's configuration), "
         f"trained for {', '.join(str(e) for e in sorted({r['epochs'] for r in runs}))} epochs "
         f"with seeds {', '.join(map(str, seeds))}. Each doubling of the length is compared "
         "paired by seed and set against the noise of a difference of two float32 runs, "
@@ -92,7 +99,7 @@ def render(runs: list[dict[str, Any]], floor: float, meta: dict[str, str]) -> st
             steps = by_seed(runs, d, e, "steps")
             lines.append(
                 table_row(
-                    64 // d,
+                    global_batch // d,
                     e,
                     int(next(iter(steps.values()))),
                     _mean_std(by_seed(runs, d, e, "test_error"), 2),
@@ -109,11 +116,12 @@ def render(runs: list[dict[str, Any]], floor: float, meta: dict[str, str]) -> st
         table_row(*["---"] * 5),
     ]
     for d in devices:
+        per_device = global_batch // d
         for short, long, delta in doublings(runs, d):
             p = "–" if math.isnan(delta.p) else f"{delta.p:.3f}"
             verdict = "within the noise" if within_noise(delta, floor) else "beyond the noise"
             lines.append(
-                table_row(64 // d, f"{short} → {long}", f"{delta.mean:+.2f} ± {delta.std:.2f} "
+                table_row(per_device, f"{short} → {long}", f"{delta.mean:+.2f} ± {delta.std:.2f} "
                      f"(n={delta.n})", p, verdict)
             )  # fmt: skip
     lines += ["", "Where the test error stops changing beyond the noise:", ""]
@@ -122,9 +130,9 @@ def render(runs: list[dict[str, Any]], floor: float, meta: dict[str, str]) -> st
         longest = max(r["epochs"] for r in runs if r["devices"] == d)
         if start is None:
             lines.append(
-                f"- {64 // d} images per device: not yet at {longest} epochs (its last doubling "
-                "still changes the error beyond the noise)."
+                f"- {global_batch // d} images per device: not yet at {longest} epochs (its last "
+                "doubling still changes the error beyond the noise)."
             )
         else:
-            lines.append(f"- {64 // d} images per device: from {start} epochs on.")
+            lines.append(f"- {global_batch // d} images per device: from {start} epochs on.")
     return "\n".join(lines) + "\n"
