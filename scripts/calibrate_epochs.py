@@ -53,6 +53,14 @@ def main() -> None:
         "--with-csv", type=Path, nargs="*", default=[], help="earlier results.csv to include"
     )
     parser.add_argument("--note", default=None, help="a sentence the report adds on the runs")
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Hydra overrides for every run (e.g. trainer.precision=bf16 to pin what an "
+        "earlier calibration's runs resolved)",
+    )
     args = parser.parse_args()
     name = (
         "calibration_epochs"
@@ -68,7 +76,7 @@ def main() -> None:
             [sys.executable, str(ROOT / "scripts/train.py"), "-m", f"experiment={args.experiment}",
              "bn=bn", f"parallel.devices={join(args.devices)}", f"trainer.seed={join(args.seeds)}",
              f"trainer.epochs={join(sorted(args.epochs, reverse=True))}", "logger=none",
-             "skip_finished=true", f"hydra.sweep.dir={args.sweep_dir[0]}"],
+             "skip_finished=true", f"hydra.sweep.dir={args.sweep_dir[0]}", *args.set],
             check=True,
         )  # fmt: skip
     runs = [run.summary for run in collect_runs(*args.sweep_dir)]

@@ -212,7 +212,7 @@ def test_resume_refuses_new_settings_and_unknown_dirs(tmp_path):
             ["--experiment", "nope"],
             "error: --experiment nope is unknown; choose one of bn_vs_syncbn, "
             "bn_vs_syncbn_1epoch, bn_vs_syncbn_cifar10, bn_vs_syncbn_imagenet, "
-            "bn_vs_syncbn_mnist",
+            "bn_vs_syncbn_mnist, nbs_256",
         ),
         (  # an override that no run can take: Hydra's message, before any run
             ["--smoke", "trainer.nosuch=1"],
