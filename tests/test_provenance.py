@@ -74,3 +74,26 @@ def test_each_cpu_capability_compiles_into_its_own_inductor_cache(tmp_path):
         [sys.executable, "-c", code], env=inherited, capture_output=True, text=True
     )
     assert done.stdout.strip() == dirs[1]
+
+
+def test_training_code_hash_follows_the_training_path_only(tmp_path):
+    """Runs with equal training_code trained with the same code: an edit on the training path
+    changes the hash, one to the report or the sweep does not (they run after/around runs)."""
+    from syncbn_lab.provenance import training_code
+
+    for name in ("src/syncbn_lab/nn/bn.py", "src/syncbn_lab/report/plots.py",
+                 "src/syncbn_lab/sweep.py", "configs/config.yaml", "scripts/train.py",
+                 "scripts/report.py"):  # fmt: skip
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    first = training_code(tmp_path)
+    assert len(first) == 12 and training_code(tmp_path) == first
+    for untracked in ("src/syncbn_lab/report/plots.py", "src/syncbn_lab/sweep.py",
+                      "scripts/report.py", "src/syncbn_lab/nn/notes.txt"):  # fmt: skip
+        (tmp_path / untracked).write_text("x = 2\n")
+        assert training_code(tmp_path) == first, untracked
+    for tracked in ("src/syncbn_lab/nn/bn.py", "configs/config.yaml", "scripts/train.py"):
+        before = training_code(tmp_path)
+        (tmp_path / tracked).write_text((tmp_path / tracked).read_text() + "# edit\n")
+        assert training_code(tmp_path) != before, tracked
+    assert len(training_code()) == 12  # this checkout's

@@ -6,6 +6,7 @@ names what produced it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import subprocess
@@ -17,6 +18,12 @@ from typing import Any
 import torch
 
 _SOURCE = Path(__file__).resolve().parent
+
+TRAINING_PATH = ("src/syncbn_lab", "csrc", "configs", "scripts/train.py")
+"""What decides how a run trains, relative to the checkout: :func:`training_code` hashes it."""
+NOT_TRAINING = ("src/syncbn_lab/report", "src/syncbn_lab/sweep.py", "src/syncbn_lab/archive.py")
+"""Inside TRAINING_PATH but only read after (the report) or around (the sweep) the runs."""
+TRAINED_SUFFIXES = (".py", ".yaml", ".cpp", ".cu", ".h", ".cuh")
 
 
 def git_commit() -> str | None:
@@ -36,6 +43,24 @@ def _git(*args: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
+
+
+def training_code(root: Path | None = None) -> str:
+    """A hash of the source that decides how a run trains (TRAINING_PATH less NOT_TRAINING,
+    as the working tree has it, uncommitted edits included): runs with the same hash trained
+    with the same code, whichever commit they name; a commit that changes only the report
+    or the sweep keeps it. 12 hex digits."""
+    root = root or _SOURCE.parent.parent
+    digest = hashlib.sha256()
+    for top in TRAINING_PATH:
+        path = root / top
+        files = sorted(path.rglob("*")) if path.is_dir() else [path] if path.is_file() else []
+        for file in files:
+            name = file.relative_to(root).as_posix()
+            if file.suffix not in TRAINED_SUFFIXES or name.startswith(NOT_TRAINING):
+                continue
+            digest.update(name.encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def cpu_model() -> str:

@@ -29,7 +29,7 @@ from syncbn_lab.nn.registry import norm_layer
 from syncbn_lab.parallel import launch, parallelize
 from syncbn_lab.parallel.context import Runtime
 from syncbn_lab.parallel.sampling import eval_loader, seed_everything, train_loader
-from syncbn_lab.provenance import cpu_isa, cpu_model, git_commit
+from syncbn_lab.provenance import cpu_isa, cpu_model, git_commit, training_code
 from syncbn_lab.variants import GROUP as VARIANT_GROUP
 
 RUN_FILES = ("metrics.jsonl", "summary.json")
@@ -235,6 +235,7 @@ def _work(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[
             "seed": t.seed,
             "resumed_from": str(t.resume) if t.resume else None,
             "git_commit": git_commit(),
+            "training_code": training_code(),
             "torch_version": torch.__version__,
             # where it ran, for the report's cost table
             "device": shape.device,
