@@ -6,6 +6,9 @@
     python scripts/sweep.py --smoke               # tiny: synthetic data, few steps
     python scripts/sweep.py --launcher slurm ...  # one SLURM job per run (submitit)
     python scripts/sweep.py --resume SWEEP_DIR    # finish an interrupted or failed sweep
+    python scripts/sweep.py --experiment nbs_256 --archive reports/nbs_256/runs.tar.gz
+    python scripts/sweep.py --resume reports/nbs_256/runs.tar.gz   # on any machine
+    (an archive is laid out under multirun/<study>/, or under --sweep-dir where given)
 
 A study is a few Hydra multiruns into one sweep dir, as its experiment declares them
 (configs/experiment/<name>.yaml): its own grid (bn, sync x devices x seeds), then its
@@ -17,7 +20,13 @@ reason and the report shows its cell as missing with that reason. --resume runs 
 sweep again in its dir (the settings recorded in <sweep dir>/sweep.json, trainer.precision
 among them: ``auto`` is resolved once, when the sweep starts, and pinned): runs whose
 summary.json is complete are skipped, the rest run afresh. The wall time of all attempts is
-written to <sweep dir>/wall_time_s and stated in the report.
+written to <sweep dir>/wall_time_s and stated in the report; attempts.json records each
+attempt (when, on which CPU, how long, how many runs it finished).
+
+A study longer than a session: --archive packs the finished runs into one .tar.gz each time
+a run finishes (syncbn_lab.archive), to commit as they land; --resume <that archive> lays it
+out under multirun/<study>/ on a fresh checkout and runs the rest, packing into the same
+archive. Runs cut off by the end of a session are not in it and run again.
 
 While it works the sweep prints one line per finished run: k of N, the run's cell, its test
 error or why it has none (failed, diverged), its time and the sweep's estimated time left.
@@ -35,6 +44,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from syncbn_lab import archive
+from syncbn_lab.cli import exit_on_user_error
 from syncbn_lab.errors import UserError, one_line
 from syncbn_lab.logging.console import display_path
 from syncbn_lab.multirun import SweepProgress, job_count
@@ -57,19 +68,29 @@ RECORD = "sweep.json"  # what --resume reads: the settings the sweep was started
 def settings(args: argparse.Namespace) -> tuple[Path, dict]:
     """The sweep dir and its settings: new ones, or those recorded for --resume."""
     if args.resume is not None:
+        packed_into = None
+        if args.resume.is_file():  # an archive: lay it out as a sweep dir, then resume that
+            with exit_on_user_error():
+                _, packed = archive.read_record(args.resume)
+            parent = args.sweep_dir or ROOT / "multirun" / packed["name"]
+            packed_into = _from_root(args.resume)  # and pack into it again
+            args.resume, args.sweep_dir = archive.unpack(args.resume, parent), None
         record = args.resume / RECORD
         if not record.exists():
             sys.exit(
                 f"error: {args.resume} holds no {RECORD}; pass a sweep dir scripts/sweep.py wrote"
             )
         given = (args.smoke, args.parallel, args.launcher, args.overrides, args.sweep_dir)
-        if any(given) or args.experiment:
+        if any(given) or args.experiment or args.archive:
             sys.exit(
                 "error: --resume runs the sweep with the settings it was started with; pass "
-                "no --experiment, --smoke, --parallel, --launcher, --sweep-dir or overrides "
-                "with it"
+                "no --experiment, --smoke, --parallel, --launcher, --sweep-dir, --archive or "
+                "overrides with it"
             )
-        return args.resume, json.loads(record.read_text())
+        resumed = json.loads(record.read_text())
+        if packed_into is not None:
+            resumed["archive"] = packed_into
+        return args.resume, resumed
     experiment = args.experiment or "bn_vs_syncbn"
     launcher = args.launcher or "joblib"
     parallel = args.parallel or "emulated"
@@ -94,9 +115,17 @@ def settings(args: argparse.Namespace) -> tuple[Path, dict]:
             part["overrides"].append(f"logger.group={name}-{stamp}")
     # where it started: the pinned precision was chosen for this machine
     record = {"name": name, "experiment": experiment, "parts": parts, "started_on": machine()}
+    if args.archive is not None:
+        record["archive"] = _from_root(args.archive)
     if not args.smoke:
         record["compare_with"] = compare_with(experiment)
     return sweep_dir, record
+
+
+def _from_root(path: Path) -> str:
+    """``path`` relative to the checkout where it lies inside (so a fresh clone finds it)."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 
 def machine() -> dict:
@@ -113,7 +142,14 @@ def main() -> None:
     parser.add_argument("--parallel", default=None, help="emulated (default) or ddp")
     parser.add_argument("--launcher", default=None, help="joblib (default, local) or slurm")
     parser.add_argument("--sweep-dir", type=Path, default=None)
-    parser.add_argument("--resume", type=Path, default=None, metavar="SWEEP_DIR")
+    parser.add_argument(
+        "--resume", type=Path, default=None, metavar="SWEEP_DIR|ARCHIVE",
+        help="finish a sweep: its dir, or the runs.tar.gz --archive wrote",
+    )  # fmt: skip
+    parser.add_argument(
+        "--archive", type=Path, default=None, metavar="RUNS_TAR_GZ",
+        help="pack the finished runs into this file as they finish (to commit)",
+    )  # fmt: skip
     parser.add_argument("--report-dir", type=Path, default=None)
     parser.add_argument(
         "--verbose", action="store_true", help="print the jobs' own output (epoch lines) too"
@@ -138,6 +174,17 @@ def main() -> None:
     earlier = float(wall_file.read_text()) if wall_file.exists() else 0.0
     start = time.perf_counter()
     progress = SweepProgress(sweep_dir, total)
+    attempt = archive.start_attempt(sweep_dir, machine())
+    packed_into = ROOT / record["archive"] if record.get("archive") else None
+
+    def landed() -> None:
+        """After runs finish: the time so far, then the archive (a session may end any time)."""
+        ran = time.perf_counter() - start
+        wall_file.write_text(f"{earlier + ran:.1f}\n")
+        archive.end_of_attempt(sweep_dir, attempt, ran, progress.done - progress.before)
+        if packed_into is not None:
+            archive.pack(sweep_dir, packed_into)
+
     log = sweep_dir / LOG
     print(
         f"sweep of {progress.total} runs -> {display_path(sweep_dir)}; the jobs' output: "
@@ -146,9 +193,13 @@ def main() -> None:
     )
     if progress.done:
         print(f"resumed: {progress.done} of {progress.total} runs finished before", flush=True)
-    statuses = [multirun(TRAIN, arguments, progress, log, args.verbose) for arguments in runs]
-    wall = earlier + time.perf_counter() - start
-    wall_file.write_text(f"{wall:.1f}\n")
+    statuses = [
+        multirun(TRAIN, arguments, progress, log, args.verbose, landed) for arguments in runs
+    ]
+    landed()
+    wall = float(wall_file.read_text())
+    if packed_into is not None:
+        print(f"{progress.done} finished runs packed into {display_path(packed_into)}", flush=True)
     print(f"sweep finished in {wall / 60:.1f} min -> {sweep_dir}", flush=True)
     report = subprocess.run(
         [

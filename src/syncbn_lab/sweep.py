@@ -15,6 +15,7 @@ import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -126,11 +127,16 @@ def multirun_overrides(sweep_dir: Path, experiment: str, overrides: list[str]) -
 
 
 def multirun(
-    train_script: Path, arguments: list[str], progress: SweepProgress, log: Path, verbose: bool
+    train_script: Path,
+    arguments: list[str],
+    progress: SweepProgress,
+    log: Path,
+    verbose: bool,
+    landed: Callable[[], None] = lambda: None,
 ) -> int:
-    """One Hydra multirun of ``train_script``; prints a line per run as it finishes. The
-    jobs' output goes to ``log``, or to the terminal when ``verbose``. Returns its exit
-    status (1: some jobs failed)."""
+    """One Hydra multirun of ``train_script``; prints a line per run as it finishes and then
+    calls ``landed``. The jobs' output goes to ``log``, or to the terminal when ``verbose``.
+    Returns its exit status (1: some jobs failed)."""
     command = [sys.executable, str(train_script), "-m", *arguments]
     cwd = train_script.parent.parent
     with open(log, "a") as out:
@@ -143,8 +149,11 @@ def multirun(
             job = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
         while True:
             finished = job.poll() is not None  # read the runs once more after the end
-            for line in progress.poll():
+            lines = progress.poll()
+            for line in lines:
                 print(line, flush=True)
+            if lines:
+                landed()
             if finished:
                 return job.returncode
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -124,6 +124,8 @@ def _work(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[
     from syncbn_lab.data import build_datasets
 
     started = time.perf_counter()
+    # the code that trains, read as the run starts: an edit made while it trains is not its code
+    code = {"git_commit": git_commit(), "training_code": training_code()}
     t = cfg.trainer
     if t.threads:
         torch.set_num_threads(t.threads)
@@ -234,8 +236,7 @@ def _work(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[
             "model": cfg.model.name,
             "seed": t.seed,
             "resumed_from": str(t.resume) if t.resume else None,
-            "git_commit": git_commit(),
-            "training_code": training_code(),
+            **code,
             "torch_version": torch.__version__,
             # where it ran, for the report's cost table
             "device": shape.device,

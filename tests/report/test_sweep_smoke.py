@@ -7,9 +7,11 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 from conftest import ROOT
 from helpers import as_in_a_terminal
 
+from syncbn_lab import archive
 from syncbn_lab.engine.precision import resolve
 
 SWEEP = str(ROOT / "scripts" / "sweep.py")
@@ -76,8 +79,14 @@ def comparable_readme(report_dir):
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("uninterrupted")
     sweep_dir, report_dir = tmp / "sweep", tmp / "report"
+    packed = tmp / "runs.tar.gz"
     result = subprocess.run(
-        [*sweep_command(report_dir, "--smoke", "--sweep-dir", str(sweep_dir))] + WITH_FAILING_CELL,
+        [
+            *sweep_command(
+                report_dir, "--smoke", "--sweep-dir", str(sweep_dir), "--archive", str(packed)
+            )
+        ]
+        + WITH_FAILING_CELL,
         capture_output=True,
         text=True,
         timeout=300,
@@ -131,6 +140,17 @@ def test_sweep_smoke_writes_report_and_marks_the_failed_cells(uninterrupted):
     assert "**2 run(s) failed**" in text
     assert "| bn | emulated | 3 | 21.3333 | 0 | trainer.global_batch_size=64 is not" in text
     assert float((sweep_dir / "wall_time_s").read_text()) > 0
+    # the archive: the finished runs' files and the sweep's own, packed as runs finished
+    with tarfile.open(sweep_dir.parent / "runs.tar.gz") as tar:
+        packed = sorted(m.name for m in tar.getmembers())
+    runs = sorted(p.parent.name for p in sweep_dir.rglob("summary.json"))
+    assert packed == sorted(
+        [f"sweep/{n}" for n in ("sweep.json", "wall_time_s", "attempts.json")]
+        + [f"sweep/{r}/{f}" for r in runs for f in archive.RUN_FILES]
+    )
+    (attempt,) = json.loads((sweep_dir / "attempts.json").read_text())
+    assert attempt["runs_ended"] == 9 and attempt["machine"]["cpu_isa"] == first["cpu_isa"]
+    assert 0 < attempt["wall_time_s"] <= float((sweep_dir / "wall_time_s").read_text())
     for png in ("test_error_vs_per_device_batch.png", "train_loss_curves.png"):
         assert (report_dir / png).stat().st_size > 1000
 
@@ -185,6 +205,33 @@ def test_a_sweep_stopped_by_ctrl_c_leaves_no_process_and_resumes_to_the_same_rep
     ], lines
     assert comparable_rows(report_dir) == comparable_rows(uninterrupted[1])
     assert comparable_readme(report_dir) == comparable_readme(uninterrupted[1])
+
+
+@pytest.mark.slow
+def test_a_sweep_resumes_from_its_archive_on_a_fresh_checkout(uninterrupted, tmp_path):
+    """Only the archive is left (a new session's checkout): --resume lays it out, runs only
+    what it lacks (the failing cells), and the report is the uninterrupted one."""
+    sweep_dir, report_dir = uninterrupted[0], tmp_path / "report"
+    packed = tmp_path / "runs.tar.gz"
+    shutil.copy(sweep_dir.parent / "runs.tar.gz", packed)
+    result = subprocess.run(
+        sweep_command(report_dir, "--resume", str(packed), "--sweep-dir", str(tmp_path / "new")),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]  # the 3-device runs fail again
+    laid_out = tmp_path / "new" / sweep_dir.name
+    assert finished(laid_out) == FINISHED
+    assert "resumed: 7 of 9 runs finished before" in result.stdout
+    assert len(progress_lines(result.stdout)) == 2  # only the two failing cells ran
+    assert comparable_rows(report_dir) == comparable_rows(uninterrupted[1])
+    attempts = json.loads((laid_out / "attempts.json").read_text())
+    assert [a["runs_ended"] for a in attempts] == [9, 2]
+    with tarfile.open(packed) as tar:  # the same archive, now with both attempts
+        record = json.loads(tar.extractfile(f"{sweep_dir.name}/attempts.json").read())
+    assert record == attempts
 
 
 def test_resume_refuses_new_settings_and_unknown_dirs(tmp_path):
