@@ -89,6 +89,7 @@ def validate(cfg: DictConfig) -> RunShape:
         positive(t.max_steps, "trainer.max_steps")
     if t.get("eval_dense_epochs") is not None:
         positive(t.eval_dense_epochs, "trainer.eval_dense_epochs")
+    positive(t.get("eval_sparse_every", 1), "trainer.eval_sparse_every")
     if t.get("eval_images") is not None:
         positive(t.eval_images, "trainer.eval_images")
     if t.get("overfit_batches") is not None:

@@ -92,6 +92,16 @@ def test_dense_epochs_validate_within_the_first_epochs_only(tmp_path, tiny_cfg):
         run(tiny_cfg(*QUARTERS, "trainer.eval_dense_epochs=0"), tmp_path / "bad")
 
 
+def test_after_the_dense_epochs_val_comes_every_sparse_epochs_and_at_the_end(tmp_path, tiny_cfg):
+    """eval_dense_epochs=1, eval_sparse_every=2 over 4 epochs of 8 steps: the quarters of
+    epoch 1 and its end, then the end of epoch 3 and of the last (4), not of epoch 2."""
+    four = [*QUARTERS, "trainer.epochs=4", "trainer.eval_dense_epochs=1"]
+    run(tiny_cfg(*four, "trainer.eval_sparse_every=2"), tmp_path / "sparse")
+    assert [r["step"] for r in val_records(tmp_path / "sparse")] == [2, 4, 6, 8, 24, 32]
+    with pytest.raises(ConfigError, match="trainer.eval_sparse_every=0 must be a positive"):
+        run(tiny_cfg(*four, "trainer.eval_sparse_every=0"), tmp_path / "bad")
+
+
 @pytest.mark.parametrize("value", [0, 1.5, True, "quarter"])
 def test_eval_every_is_whole_epochs_or_a_fraction_of_one(tmp_path, tiny_cfg, value):
     with pytest.raises(ConfigError, match=f"trainer.eval_every={value} must be a whole number"):

@@ -412,7 +412,7 @@ class Trainer:
                 ).item(),
                 "images_per_s": self.images_seen / max(self.train_time, 1e-9),
             }
-            if cfg.eval_every < 1 or state.epoch % cfg.eval_every == 0 or finished:
+            if self._validate_at_epoch_end(state.epoch) or finished:
                 val = self.validate(record)
             self.log(record)
             self.save("last.pt")
@@ -451,6 +451,17 @@ class Trainer:
         # this process's seconds: its training steps (train_time_s counts a resumed run's
         # earlier processes too) and each phase outside them
         return {**result, "time_steps_s": steps_time, **self.clock.summary()}
+
+    def _validate_at_epoch_end(self, epochs_done: int) -> bool:
+        """Whether val is due after ``epochs_done`` epochs: every ``eval_every`` epochs, or
+        with a fraction every epoch, until the ``eval_dense_epochs``, then every
+        ``eval_sparse_every`` epochs (the last epoch always validates: see fit)."""
+        cfg = self.trainer_cfg
+        if cfg.eval_every >= 1:
+            return epochs_done % cfg.eval_every == 0
+        if self.dense_epochs is None or epochs_done <= self.dense_epochs:
+            return True
+        return (epochs_done - self.dense_epochs) % cfg.get("eval_sparse_every", 1) == 0
 
     def log(self, record: dict[str, Any]) -> None:
         with self.clock("logging"):
