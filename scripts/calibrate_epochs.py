@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from syncbn_lab.cli import exit_on_user_error
+from syncbn_lab.errors import UserError
 from syncbn_lab.provenance import provenance
 from syncbn_lab.report.calibration import COLUMNS, render
 from syncbn_lab.report.collect import collect_runs, runs_from_csv
@@ -79,7 +81,12 @@ def main() -> None:
              "skip_finished=true", f"hydra.sweep.dir={args.sweep_dir[0]}", *args.set],
             check=True,
         )  # fmt: skip
-    runs = [run.summary for run in collect_runs(*args.sweep_dir)]
+    try:
+        runs = [run.summary for run in collect_runs(*args.sweep_dir)]
+    except UserError:
+        if not args.with_csv:  # else a report from earlier calibrations' CSVs alone
+            raise
+        runs = []
     swept = {(r["devices"], r["epochs"], r["seed"]) for r in runs}  # a swept run wins
     runs += [run.summary for csv_file in args.with_csv for run in runs_from_csv(csv_file)
              if (run["devices"], run["epochs"], run["seed"]) not in swept]  # fmt: skip
@@ -113,4 +120,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with exit_on_user_error():
+        main()

@@ -54,6 +54,28 @@ def test_render_states_each_doubling_and_the_plateau():
     assert "- 2 images per device: not yet at 8 epochs" in text
 
 
+def test_the_small_batch_is_set_against_the_large_one_at_each_length():
+    """2 images per device against 64, paired by seed: worse by 2.0 at 1 epoch (every seed),
+    0.2 at 8 with seed-dependent noise (not detected), better at 16."""
+    large = runs({1: 12.0, 8: 7.8, 16: 7.6})
+    small = runs({1: 14.0, 8: 8.0, 16: 7.1}, 32)
+    for run, jitter in zip([r for r in small if r["epochs"] == 8], (0.4, -0.5, 0.3), strict=True):
+        run["test_acc"] -= jitter
+    deltas = dict(calibration.smallest_against_largest(large + small))
+    assert sorted(deltas) == [1, 8, 16]
+    assert math.isclose(deltas[1].mean, 2.0, abs_tol=1e-9) and deltas[1].n == 3
+    assert [calibration.reading(deltas[e]) for e in (1, 8, 16)] == [
+        "worse",
+        "no difference detected",
+        "better",
+    ]
+    text = calibration.render(
+        large + small, FLOOR, dict.fromkeys(("command", "commit", "machine", "wall"), "x")
+    )
+    assert "| 1 | +2.00 ± 0.00 (n=3) | 0.000 | worse |" in text
+    assert "| 16 | -0.50 ± 0.00 (n=3) | 0.000 | better |" in text
+
+
 def test_render_names_the_experiment_and_its_global_batch():
     text = calibration.render(
         runs({1: 12.0, 2: 11.0}) + runs({1: 14.0, 2: 13.0}, 128), FLOOR,
@@ -63,15 +85,16 @@ def test_render_names_the_experiment_and_its_global_batch():
     assert "| 256 | 1 → 2 |" in text and "| 2 | 1 → 2 |" in text
 
 
-REPORT = ROOT / "reports" / "calibration_epochs"
-
-
-@pytest.mark.skipif(not (REPORT / "results.csv").exists(), reason="no committed calibration")
-def test_the_committed_readme_is_computed_from_its_csv():
+@pytest.mark.parametrize(
+    "name, experiment, global_batch",
+    [("calibration_epochs", "bn_vs_syncbn", 64), ("calibration_nbs_256", "nbs_256", 256)],
+)
+def test_the_committed_readme_is_computed_from_its_csv(name, experiment, global_batch):
+    report = ROOT / "reports" / name
     from syncbn_lab.report.fast import study_noise_floor
 
     numeric = {"devices": int, "epochs": int, "seed": int, "steps": int}
-    with open(REPORT / "results.csv") as f:
+    with open(report / "results.csv") as f:
         rows = [
             {k: numeric[k](v) if k in numeric else (float(v) if v else None) if k != "git_commit"
              else v for k, v in row.items() if k != "per_device_batch_size"}
@@ -80,10 +103,9 @@ def test_the_committed_readme_is_computed_from_its_csv():
     floor = study_noise_floor(ROOT / "reports" / "bn_vs_syncbn_1epoch" / "results.csv")[
         "test_error"
     ]
-    rendered = calibration.render(
-        rows, floor, dict.fromkeys(("command", "commit", "machine", "wall"), "x")
-    )
-    text = (REPORT / "README.md").read_text()
+    meta = dict.fromkeys(("command", "commit", "machine", "wall"), "x")
+    rendered = calibration.render(rows, floor, meta, experiment, global_batch)
+    text = (report / "README.md").read_text()
     table_lines = [line for line in rendered.splitlines() if line.startswith(("| ", "- "))]
     assert len(table_lines) > 10
     for line in table_lines:

@@ -45,6 +45,25 @@ def doublings(runs: list[dict[str, Any]], devices: int) -> list[tuple[int, int, 
     ]  # fmt: skip
 
 
+def smallest_against_largest(runs: list[dict[str, Any]]) -> list[tuple[int, Paired]]:
+    """(epochs, test error at the most devices - at the fewest, paired by seed) for each
+    length that both device counts trained."""
+    few, many = min(r["devices"] for r in runs), max(r["devices"] for r in runs)
+    lengths = sorted({r["epochs"] for r in runs if r["devices"] == few}
+                     & {r["epochs"] for r in runs if r["devices"] == many})  # fmt: skip
+    return [
+        (e, paired(by_seed(runs, many, e, "test_error"), by_seed(runs, few, e, "test_error")))
+        for e in lengths
+    ]
+
+
+def reading(delta: Paired) -> str:
+    """The paired test's answer for a difference ``delta`` of test errors."""
+    if not delta.significant:
+        return "no difference detected" if delta.n > 1 else "one seed: no test"
+    return "worse" if delta.mean > 0 else "better"
+
+
 def within_noise(delta: Paired, floor: float) -> bool:
     """The mean change is at most the noise of a difference of two runs."""
     return abs(delta.mean) <= math.sqrt(2) * floor
@@ -123,6 +142,22 @@ def render(
             lines.append(
                 table_row(per_device, f"{short} → {long}", f"{delta.mean:+.2f} ± {delta.std:.2f} "
                      f"(n={delta.n})", p, verdict)
+            )  # fmt: skip
+    if len(devices) > 1:
+        small, large = global_batch // devices[-1], global_batch // devices[0]
+        lines += [
+            "",
+            f"{small} images per device against {large} at each length (test error, EMA "
+            f"statistics; {small} - {large}, paired by seed; the paired t-test at 5 %):",
+            "",
+            table_row("epochs", "difference (pp)", "p", f"{small} images per device is"),
+            table_row(*["---"] * 4),
+        ]
+        for e, delta in smallest_against_largest(runs):
+            p = "–" if math.isnan(delta.p) else f"{delta.p:.3f}"
+            lines.append(
+                table_row(e, f"{delta.mean:+.2f} ± {delta.std:.2f} (n={delta.n})", p,
+                          reading(delta))
             )  # fmt: skip
     lines += ["", "Where the test error stops changing beyond the noise:", ""]
     for d in devices:
