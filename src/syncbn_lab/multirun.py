@@ -257,17 +257,23 @@ def multirun_config(overrides: list[str]) -> DictConfig:
         GlobalHydra.instance().clear()
 
 
-def job_count(overrides: list[str]) -> int:
-    """How many jobs ``scripts/train.py -m <overrides>`` launches: what Hydra's basic sweeper
-    computes, the product of the comma lists of the sweeper's params (an experiment's
-    ``hydra.sweeper.params``) and of the command line, which wins for a key both set."""
+def jobs(overrides: list[str]) -> list[list[str]]:
+    """The jobs ``scripts/train.py -m <overrides>`` launches, each as its overrides, in
+    order: what Hydra's basic sweeper computes, the product of the comma lists of the
+    sweeper's params (an experiment's ``hydra.sweeper.params``) and of the command line,
+    which wins for a key both set."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     params = multirun_config(overrides).hydra.sweeper.get("params") or {}
     swept = [f"{key}={value}" for key, value in params.items()] + overrides
-    (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(swept), None)
-    return len(jobs)
+    (batch,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(swept), None)
+    return batch
+
+
+def job_count(overrides: list[str]) -> int:
+    """How many jobs ``scripts/train.py -m <overrides>`` launches (see :func:`jobs`)."""
+    return len(jobs(overrides))
 
 
 class SweepProgress:
