@@ -169,5 +169,7 @@ def test_report_script_renders_from_the_archive_with_its_time_and_machines(tmp_p
     assert "The sweep took 90 min of wall time in 1 attempt(s) of the sweep." in text
     # (700 - 640) / 700 of each run outside the steps; validation 40 / 700
     assert "8.6 % is outside the training steps: validation 5.7 %," in text
+    assert f"![test error against the normalisation batch]({nbs.PLOT})" in text
+    assert (out / nbs.PLOT).stat().st_size > 10_000
     rows = (out / "results.csv").read_text().splitlines()
     assert len(rows) == 21 and rows[0].startswith("bn,devices,normalization_batch_size")

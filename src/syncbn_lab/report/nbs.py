@@ -243,6 +243,7 @@ def render(
             fmt(*mean_std(r.test_error_batch_stats for r in runs)),
             fmt(*mean_std(r["train_loss"] for r in runs), digits=4),
         ))  # fmt: skip
+    lines += ["", f"![test error against the normalisation batch]({PLOT})"]
     lines += _u_section(s, noise) + _groups_section(s, noise) + _speed_section(s)
     lines += _seeds_section(s, noise) + _anchors_section(s) + _cost_section(s, meta)
     return "\n".join(lines) + "\n"
@@ -425,6 +426,56 @@ def _cost_section(s: NormalizationBatchStudy, meta: dict[str, Any]) -> list[str]
     ]
 
 
+PLOT = "test_error_vs_normalization_batch.png"
+
+
+def write_plot(study: NormalizationBatchStudy, path: Path) -> None:
+    """Test error against the normalisation batch: each seed's run as a dot, bn's mean ± std
+    as a line, each SyncBN cell as its own marker, and the fitted quadratic where it exists."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    for variant, style in (("bn", "-o"), *((v, "D") for v in sorted(
+            {c.variant for c in study.declared} - {"bn"}))):  # fmt: skip
+        cells = sorted(c for c in study.declared if c.variant == variant and study.by_cell.get(c))
+        if not cells:
+            continue
+        xs = [c.normalization_batch for c in cells]
+        stats = [mean_std(r.test_error for r in study.by_cell[c]) for c in cells]
+        label = variant if variant == "bn" else cells[0].label(study.global_batch)
+        line = ax.errorbar(xs, [m for m, _ in stats], yerr=[s for _, s in stats], fmt=style,
+                           capsize=3, label=f"{label} (mean ± std)")  # fmt: skip
+        for c in cells:
+            errors = [r.test_error for r in study.by_cell[c]]
+            ax.plot([c.normalization_batch] * len(errors), errors, ".", alpha=0.4,
+                    color=line[0].get_color())  # fmt: skip
+    verdict, vertex = u_shape(study)
+    if vertex is not None:
+        x = np.linspace(math.log2(study.bn[0].normalization_batch),
+                        math.log2(study.bn[-1].normalization_batch), 100)  # fmt: skip
+        curve = lambda x: vertex.b * x + vertex.c * x**2  # noqa: E731
+        offset = statistics.fmean(  # the seeds' mean intercept
+            e - curve(math.log2(c.normalization_batch))
+            for c in study.bn for e in study.seeds(c).values()
+        )  # fmt: skip
+        ax.plot(2**x, offset + curve(x), ":", color="grey",
+                label=f"quadratic fit, seeds as blocks (U: {verdict})")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ticks = sorted({c.normalization_batch for c in study.declared})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xlabel(f"images per normalisation batch (global batch {study.global_batch})")
+    ax.set_ylabel("test error (%)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def outside_training(run: Run) -> float:
     return run["wall_time_s"] - run["train_time_s"]
 
@@ -484,6 +535,7 @@ def write_nbs_report(
         **describe(runs, sweep_dir, wall_time_s),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
+    write_plot(study, out_dir / PLOT)
     (out_dir / "README.md").write_text(render(study, title, meta))
     write_csv(study, out_dir / "results.csv")
     return runs
