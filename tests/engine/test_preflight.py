@@ -81,10 +81,13 @@ def test_a_planted_wrong_kernel_stops_the_run_before_anything_is_written(
 @needs_avx2
 def test_the_broken_strided_convolution_is_caught(tmp_path):
     # plain strided 1x1 shortcuts, channels_last, float32, two threads, AVX2 kernels: the
-    # shortcut's weight gradient is 2e2 off (at one thread the kernel corrupts the heap,
-    # so a run may also crash before the check; it is retried)
+    # shortcut's weight gradient is 2e2 off. The kernel writes past its workspace, so what it
+    # does depends on the heap and the threads' timing: a run may crash before the check
+    # (at one thread it corrupts the heap), and on a loaded machine a run's gradient came out
+    # right (the check rightly passed it; seen once, in a full-suite run beside two
+    # training jobs). Each such attempt is retried; a check that never stops it still fails.
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
-    for attempt in range(3):
+    for attempt in range(4):
         done = subprocess.run(
             [sys.executable, str(PROBE), str(tmp_path / f"run{attempt}")],
             env=env,
@@ -92,9 +95,9 @@ def test_the_broken_strided_convolution_is_caught(tmp_path):
             text=True,
             timeout=180,
         )
-        if done.returncode in (0, 1):
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode in (0, 1) and lines and json.loads(lines[-1])["failed"]:
             break
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert lines, done.stderr[-2000:]
     outcome = json.loads(lines[-1])
     assert outcome["failed"], outcome  # the canary in tests/models says when torch fixes it

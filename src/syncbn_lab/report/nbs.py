@@ -28,12 +28,14 @@ from syncbn_lab.report.convergence import THRESHOLDS, steps_to
 from syncbn_lab.report.papers import papers
 from syncbn_lab.report.stats import ALPHA, Paired, by_seed, mean_std, paired
 from syncbn_lab.report.tables import fmt, fmt_p, fmt_paired, table_row
+from syncbn_lab.variants import GROUP, VARIANTS
 
-REFERENCE_ROLE = "baseline"
-"""The variant whose normalisation batch is varied by the device count (per-device BN)."""
+BASELINE = "baseline"
+"""The role (syncbn_lab.variants) of the variant whose normalisation batch the device count
+sets: per-device BN; the other variants' cells are set against its."""
 PHASES = ("validation", "test", "precise_bn", "test_batch_stats", "checkpoints", "logging")
 """summary.json's time_<phase>_s fields: the time a run spends outside its training steps."""
-CSV_COLUMNS = ("bn", "devices", "normalization_batch_size", "per_device_batch_size", "seed",
+CSV_COLUMNS = (GROUP, "devices", "normalization_batch_size", "per_device_batch_size", "seed",
                "test_error", "test_error_precise_bn", "test_error_batch_stats", "train_loss",
                *(f"steps_to_{t:g}" for t in THRESHOLDS), "steps", "wall_time_s",
                "train_time_s", "outside_training_s", "cpu_model", "cpu_isa", "precision",
@@ -49,15 +51,20 @@ class Cell:
     variant: str
     devices: int
 
+    @property
+    def baseline(self) -> bool:
+        spec = VARIANTS.get(self.variant)
+        return spec is not None and spec.role == BASELINE
+
     def label(self, global_batch: int) -> str:
-        if self.variant == "bn" or self.normalization_batch == global_batch:
+        if self.baseline or self.normalization_batch == global_batch:
             return f"{self.variant}, {self.devices} device{'s' * (self.devices > 1)}"
         group = self.normalization_batch * self.devices // global_batch
         return f"{self.variant} in groups of {group}, {self.devices} devices"
 
 
 def cell_of(summary: dict[str, Any]) -> Cell:
-    return Cell(summary["normalization_batch_size"], summary["bn"], summary["devices"])
+    return Cell(summary["normalization_batch_size"], summary[GROUP], summary["devices"])
 
 
 def declared(sweep_dir: Path) -> dict[Cell, list[int]]:
@@ -92,7 +99,7 @@ class NormalizationBatchStudy:
         self.by_cell: dict[Cell, list[Run]] = defaultdict(list)
         for run in runs:
             self.by_cell[cell_of(run.summary)].append(run)
-        self.bn = sorted(c for c in self.declared if c.variant == "bn")
+        self.bn = sorted(c for c in self.declared if c.baseline)
         self.whole = max(self.bn, key=lambda c: c.normalization_batch) if self.bn else None
 
     def seeds(self, cell: Cell, value=lambda r: r.test_error) -> dict[int, float]:
@@ -310,7 +317,7 @@ def _signature(s: NormalizationBatchStudy) -> list[str]:
 
 
 def _groups_section(s: NormalizationBatchStudy, noise: float) -> list[str]:
-    groups = sorted(c for c in s.declared if c.variant != "bn")
+    groups = sorted(c for c in s.declared if not c.baseline)
     if not groups:
         return []
     lines = [
@@ -439,14 +446,16 @@ def write_plot(study: NormalizationBatchStudy, path: Path) -> None:
     import numpy as np
 
     fig, ax = plt.subplots(figsize=(7, 4.4))
-    for variant, style in (("bn", "-o"), *((v, "D") for v in sorted(
-            {c.variant for c in study.declared} - {"bn"}))):  # fmt: skip
+    cells_first = sorted(study.declared, key=lambda c: (not c.baseline, c.variant))
+    variants = list(dict.fromkeys(c.variant for c in cells_first))  # the baseline first
+    for variant in variants:
         cells = sorted(c for c in study.declared if c.variant == variant and study.by_cell.get(c))
         if not cells:
             continue
         xs = [c.normalization_batch for c in cells]
         stats = [mean_std(r.test_error for r in study.by_cell[c]) for c in cells]
-        label = variant if variant == "bn" else cells[0].label(study.global_batch)
+        style = "-o" if cells[0].baseline else "D"
+        label = variant if cells[0].baseline else cells[0].label(study.global_batch)
         line = ax.errorbar(xs, [m for m, _ in stats], yerr=[s for _, s in stats], fmt=style,
                            capsize=3, label=f"{label} (mean ± std)")  # fmt: skip
         for c in cells:
