@@ -32,6 +32,10 @@ from syncbn_lab.parallel.sampling import eval_loader, seed_everything, train_loa
 from syncbn_lab.provenance import cpu_isa, cpu_model, git_commit, training_code
 from syncbn_lab.variants import GROUP as VARIANT_GROUP
 
+# The code this process trains with, read when it loads it: a sweep's worker process runs the
+# jobs after its first with the modules it imported then, whatever the checkout holds by then.
+LOADED_CODE = {"git_commit": git_commit(), "training_code": training_code()}
+
 RUN_FILES = ("metrics.jsonl", "summary.json")
 
 
@@ -124,8 +128,6 @@ def _work(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[
     from syncbn_lab.data import build_datasets
 
     started = time.perf_counter()
-    # the code that trains, read as the run starts: an edit made while it trains is not its code
-    code = {"git_commit": git_commit(), "training_code": training_code()}
     t = cfg.trainer
     if t.threads:
         torch.set_num_threads(t.threads)
@@ -236,7 +238,7 @@ def _work(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[
             "model": cfg.model.name,
             "seed": t.seed,
             "resumed_from": str(t.resume) if t.resume else None,
-            **code,
+            **LOADED_CODE,
             "torch_version": torch.__version__,
             # where it ran, for the report's cost table
             "device": shape.device,

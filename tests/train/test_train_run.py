@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from syncbn_lab.engine import checkpoint
+from syncbn_lab.provenance import git_commit, training_code
 from syncbn_lab.train import run
 
 SUMMARY_KEYS = {
@@ -41,6 +42,8 @@ def test_run_writes_outputs_and_learns(tmp_path, tiny_cfg):
     assert SUMMARY_KEYS <= summary.keys()
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == summary["steps"]
     assert summary["steps"] == 3 * (256 // 32)
+    # the code this process loaded: the checkout's (tests/test_provenance.py tests the hash)
+    assert summary["training_code"] == training_code() and summary["git_commit"] == git_commit()
     assert (tmp_path / "config.yaml").exists()
     rows = records(tmp_path)
     step_rows = [r for r in rows if "val/acc" not in r]
