@@ -245,15 +245,22 @@ def render(
         n = f"{len(runs)}/{len(s.declared[cell])}"
         lines.append(table_row(
             cell.normalization_batch, cell.label(g), n,
-            fmt(*mean_std(r.test_error for r in runs)),
-            fmt(*mean_std(r.test_error_precise_bn for r in runs)),
-            fmt(*mean_std(r.test_error_batch_stats for r in runs)),
-            fmt(*mean_std(r["train_loss"] for r in runs), digits=4),
+            _over_seeds([r.test_error for r in runs]),
+            _over_seeds([r.test_error_precise_bn for r in runs]),
+            _over_seeds([r.test_error_batch_stats for r in runs]),
+            _over_seeds([r["train_loss"] for r in runs], digits=4),
         ))  # fmt: skip
     lines += ["", f"![test error against the normalisation batch]({PLOT})"]
     lines += _u_section(s, noise) + _groups_section(s, noise) + _speed_section(s)
     lines += _seeds_section(s, noise) + _anchors_section(s) + _cost_section(s, meta)
     return "\n".join(lines) + "\n"
+
+
+def _over_seeds(values: list[float], digits: int = 2) -> str:
+    """mean ± std over seeds; one seed's value alone (it has no spread to state)."""
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f} (one seed)"
+    return fmt(*mean_std(values), digits=digits)
 
 
 def _u_section(s: NormalizationBatchStudy, noise: float) -> list[str]:
