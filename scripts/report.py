@@ -78,6 +78,9 @@ def main() -> None:
     args = parser.parse_args()
     with exit_on_user_error():
         args.sweep_dirs = [laid_out(d) for d in args.sweep_dirs]
+        recorded = args.sweep_dirs[0] / "wall_time_s"  # what the sweep wrote, all attempts
+        if args.wall_time_s is None and len(args.sweep_dirs) == 1 and recorded.exists():
+            args.wall_time_s = float(recorded.read_text())
         if report_kind(args.sweep_dirs[0]) == "normalization_batch":
             runs = write_nbs_report(
                 args.sweep_dirs[0], args.out, args.title or NBS_TITLE, args.wall_time_s,

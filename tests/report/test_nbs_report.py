@@ -13,6 +13,7 @@ from conftest import ROOT
 
 from syncbn_lab import archive, sweep
 from syncbn_lab.report import nbs
+from syncbn_lab.report.fast import study_noise_floor
 
 SEED_SHIFT = (0.00, 0.30, -0.20, 0.10)  # each seed's own offset, the same in every cell
 JITTER = (0.04, -0.03, 0.02, -0.05)  # per seed, alternating with the cell: residual noise
@@ -173,3 +174,27 @@ def test_report_script_renders_from_the_archive_with_its_time_and_machines(tmp_p
     assert (out / nbs.PLOT).stat().st_size > 10_000
     rows = (out / "results.csv").read_text().splitlines()
     assert len(rows) == 21 and rows[0].startswith("bn,devices,normalization_batch_size")
+
+
+COMMITTED = ROOT / "reports" / "nbs_256"
+
+
+@pytest.mark.skipif(not (COMMITTED / "runs.tar.gz").exists(), reason="no committed nbs_256 runs")
+def test_the_committed_report_is_its_archive_rendered(tmp_path, monkeypatch):
+    """reports/nbs_256/README.md and results.csv are what the report writes from the
+    committed runs.tar.gz now (the command its README names), byte for byte."""
+    sweep_dir = archive.unpack(COMMITTED / "runs.tar.gz", tmp_path)
+    text = (COMMITTED / "README.md").read_text()
+    command = text.split("Produced by `")[1].split("`")[0]
+    assert command == "python scripts/report.py reports/nbs_256/runs.tar.gz --out reports/nbs_256"
+    out = tmp_path / "report"
+    monkeypatch.setattr(nbs, "write_plot", lambda *a: None)  # the PNG is not compared
+    nbs.write_nbs_report(
+        sweep_dir, out, text.splitlines()[0].removeprefix("# "),
+        float((sweep_dir / "wall_time_s").read_text()),
+        study_noise_floor(ROOT / "reports" / "bn_vs_syncbn" / "results.csv")["test_error"],
+        command,
+    )  # fmt: skip
+    assert (out / "README.md").read_text() == text
+    assert (out / "results.csv").read_text() == (COMMITTED / "results.csv").read_text()
+    assert (COMMITTED / nbs.PLOT).is_file()
