@@ -547,7 +547,8 @@ def write_nbs_report(
 ) -> list[Run]:  # fmt: skip
     """README.md and results.csv of the normalisation-batch sweep in ``sweep_dir``."""
     runs = collect_runs(sweep_dir)
-    failures = collect_failures(sweep_dir)
+    # a run stopped by a signal (the end of a session) is no failure: it runs again on resume
+    failures = [f for f in collect_failures(sweep_dir) if f["reason"] != "preempted"]
     study = NormalizationBatchStudy(runs, declared(sweep_dir), floor)
     missing = sum(len(v) for v in study.declared.values()) - len(runs)
     meta = {
