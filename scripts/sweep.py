@@ -23,10 +23,10 @@ summary.json is complete are skipped, the rest run afresh. The wall time of all 
 written to <sweep dir>/wall_time_s and stated in the report; attempts.json records each
 attempt (when, on which CPU, how long, how many runs it finished).
 
-A study longer than a session: --archive packs the finished runs into one .tar.gz each time
+A study that outlasts its machine: --archive packs the finished runs into one .tar.gz each time
 a run finishes (syncbn_lab.archive), to commit as they land; --resume <that archive> lays it
 out under multirun/<study>/ on a fresh checkout and runs the rest, packing into the same
-archive. Runs cut off by the end of a session are not in it and run again.
+archive. Runs cut off when the machine goes away are not in it and run again.
 
 While it works the sweep prints one line per finished run: k of N, the run's cell, its test
 error or why it has none (failed, diverged), its time and the sweep's estimated time left.
@@ -178,7 +178,7 @@ def main() -> None:
     packed_into = ROOT / record["archive"] if record.get("archive") else None
 
     def landed() -> None:
-        """After runs finish: the time so far, then the archive (a session may end any time)."""
+        """After runs finish: the time so far, then the archive (the machine may go any time)."""
         ran = time.perf_counter() - start
         wall_file.write_text(f"{earlier + ran:.1f}\n")
         archive.end_of_attempt(sweep_dir, attempt, ran, progress.done - progress.before)

@@ -1,4 +1,4 @@
-"""A sweep's finished runs as one committed file, so a study longer than a session resumes
+"""A sweep's finished runs as one committed file, so a study that outlasts its machine resumes
 on any machine from what is committed.
 
 A sweep dir is ``<stamp>/`` with sweep.json (the settings it was started with), wall_time_s,
