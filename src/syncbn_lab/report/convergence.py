@@ -33,7 +33,7 @@ def steps_to(run: Run, accuracy: float) -> float:
     return math.nan
 
 
-def _steps(values: list[float], total: int) -> str:
+def steps_reached(values: list[float], total: int) -> str:
     """mean ± std of the runs that reached it, and how many of ``total`` did."""
     reached = [v for v in values if not math.isnan(v)]
     if not reached:
@@ -71,7 +71,7 @@ def speed_section(study: Study) -> list[str]:
     for (variant, batch), members in sorted(
         study.cells.items(), key=lambda c: (study.variants.index(c[0][0]), -c[0][1])
     ):
-        steps = [_steps([steps_to(r, t) for r in members], len(members)) for t in THRESHOLDS]
+        steps = [steps_reached([steps_to(r, t) for r in members], len(members)) for t in THRESHOLDS]
         loss = fmt(*mean_std(r["train_loss"] for r in members), digits=4)
         lines.append(table_row(variant, "–" if per_sample(variant) else batch, *steps, loss))
     return lines

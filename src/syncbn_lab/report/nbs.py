@@ -6,7 +6,7 @@ per-device BN gives at the same normalisation batch.
 Every comparison is paired by seed (runs of one seed share the initialisation and the data
 order) and stated with its p and its noise; a claim is "holds", "does not hold", or "not yet"
 while the runs it needs are missing. The cells are what the sweep declared (its sweep.json),
-so a sweep still running or resumed in a later session renders with its unfinished cells
+so a sweep still running or resumed on another machine renders with its unfinished cells
 marked.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 from syncbn_lab.archive import read_attempts
 from syncbn_lab.report.collect import Run, collect_failures, collect_runs
-from syncbn_lab.report.convergence import THRESHOLDS, steps_to
+from syncbn_lab.report.convergence import THRESHOLDS, steps_reached, steps_to
 from syncbn_lab.report.papers import papers
 from syncbn_lab.report.stats import ALPHA, Paired, by_seed, mean_std, paired
 from syncbn_lab.report.tables import fmt, fmt_p, fmt_paired, table_row
@@ -179,13 +179,8 @@ def mde(std_of_difference: float, n: int, power: float = 0.8) -> float:
 
 
 def _steps(runs: list[Run], accuracy: float) -> str:
-    values = [steps_to(r, accuracy) for r in runs]
-    reached = [v for v in values if not math.isnan(v)]
-    if not reached:
-        return f"not reached (0/{len(values)})" if values else "–"
-    m, s = mean_std(reached)
-    some = "" if len(reached) == len(values) else f" ({len(reached)}/{len(values)})"
-    return f"{m:,.0f} ± {s:,.0f}{some}"
+    """Steps to ``accuracy`` over a cell's runs (convergence.steps_reached); – for none."""
+    return steps_reached([steps_to(r, accuracy) for r in runs], len(runs)) if runs else "–"
 
 
 def _verdict(d: Paired, noise: float) -> str:
@@ -530,10 +525,10 @@ def describe(runs: list[Run], sweep_dir: Path, wall_time_s: float | None) -> dic
     for r in runs:
         machines[f"{r['cpu_model']} ({r['cpu_isa']}, {r['precision']})"] += 1
     attempts = read_attempts(sweep_dir)
-    sessions = f" in {len(attempts)} attempt(s) of the sweep" if attempts else ""
+    attempted = f" in {len(attempts)} attempt(s) of the sweep" if attempts else ""
     time = ""
     if wall_time_s:
-        time = f"The sweep took {wall_time_s / 60:.0f} min of wall time{sessions}."
+        time = f"The sweep took {wall_time_s / 60:.0f} min of wall time{attempted}."
     return {
         "code": code,
         "machines": "Machines: " + "; ".join(f"{m}: {n} runs" for m, n in machines.items()) + ".",
@@ -547,7 +542,7 @@ def write_nbs_report(
 ) -> list[Run]:  # fmt: skip
     """README.md and results.csv of the normalisation-batch sweep in ``sweep_dir``."""
     runs = collect_runs(sweep_dir)
-    # a run stopped by a signal (the end of a session) is no failure: it runs again on resume
+    # a run stopped by a signal (its machine going away) is no failure: it runs again on resume
     failures = [f for f in collect_failures(sweep_dir) if f["reason"] != "preempted"]
     study = NormalizationBatchStudy(runs, declared(sweep_dir), floor)
     missing = sum(len(v) for v in study.declared.values()) - len(runs)
