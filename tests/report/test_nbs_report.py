@@ -89,6 +89,8 @@ def test_quadratic_vertex_recovers_a_known_parabola():
     assert math.isclose(v.c, 0.1, rel_tol=1e-2) and math.isclose(v.at, 4.0, abs_tol=0.05)
     assert v.low < 4 < v.high and v.high - v.low < 0.2 and v.c_p < 1e-6
     assert v.df == 16 - 6  # 4 seed intercepts, b and c
+    # the fit at the vertex against the fit at the largest x: 0 - 0.1 (8 - 4)^2
+    assert math.isclose(v.depth, -1.6, abs_tol=0.01) and 0 < v.depth_half < 0.01
 
 
 @pytest.mark.parametrize(

@@ -125,11 +125,14 @@ class Vertex:
     low: float  # its 95 % interval (delta method), in log2 images
     high: float
     df: int
+    depth: float  # the fit at the vertex less the fit at the largest x (the whole batch), pp
+    depth_half: float  # half the 95 % interval of depth (delta method)
 
 
 def quadratic_vertex(points: list[tuple[int, float, float]]) -> Vertex | None:
     """Fit error = a_seed + b x + c x^2 to (seed, x, error) with seeds as blocks (one
-    intercept each) by least squares; None where the fit has no residual degrees of freedom."""
+    intercept each) by least squares; None where the fit has no residual degrees of freedom.
+    The vertex's depth is set against the largest x, the whole batch."""
     import numpy as np
     from scipy import stats
 
@@ -147,8 +150,18 @@ def quadratic_vertex(points: list[tuple[int, float, float]]) -> Vertex | None:
     c_p = float(2 * stats.t.sf(abs(c) / math.sqrt(cov_bc[1, 1]), df)) if cov_bc[1, 1] else 0.0
     at = -b / (2 * c)
     gradient = np.array([-1 / (2 * c), b / (2 * c * c)])
-    half = float(stats.t.ppf(0.975, df) * math.sqrt(max(gradient @ cov_bc @ gradient, 0.0)))
-    return Vertex(float(b), float(c), c_p, float(at), float(at - half), float(at + half), df)
+    t = stats.t.ppf(0.975, df)
+    half = float(t * math.sqrt(max(gradient @ cov_bc @ gradient, 0.0)))
+    # depth = f(at) - f(end); the slope of f vanishes at the vertex, so d depth / d(b, c) is
+    # (at - end, at^2 - end^2)
+    end = max(x for _, x, _ in points)
+    depth = b * (at - end) + c * (at * at - end * end)
+    gradient = np.array([at - end, at * at - end * end])
+    depth_half = float(t * math.sqrt(max(gradient @ cov_bc @ gradient, 0.0)))
+    return Vertex(
+        float(b), float(c), c_p, float(at), float(at - half), float(at + half), df,
+        float(depth), depth_half,
+    )  # fmt: skip
 
 
 def u_shape(study: NormalizationBatchStudy) -> tuple[str, Vertex | None]:
@@ -292,7 +305,9 @@ def _u_section(s: NormalizationBatchStudy, noise: float) -> list[str]:
             f"(p = {fmt_p(vertex.c_p)}), minimum at {2**vertex.at:.1f} images, 95 % interval "
             f"{2**vertex.low:.1f} to {2**vertex.high:.1f} (the swept range is "
             f"{s.bn[0].normalization_batch} to {s.bn[-1].normalization_batch}). It holds only "
-            "with positive curvature and an interval that excludes both ends."
+            "with positive curvature and an interval that excludes both ends. The fitted "
+            f"minimum lies {vertex.depth:+.2f} ± {vertex.depth_half:.2f} pp (95 % interval) "
+            f"from the fit at the whole batch of {s.whole.normalization_batch}."
         )
     elif verdict == "not yet":
         lines[-1] += " The bn cells are not all finished."
