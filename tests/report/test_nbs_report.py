@@ -3,6 +3,7 @@ experiment=nbs_256): cells as the sweep declared them, unfinished ones marked; t
 claim from a quadratic fit with seeds as blocks, set against curves written out by hand;
 SyncBN groups against BN at the same normalisation batch."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -91,6 +92,9 @@ def test_quadratic_vertex_recovers_a_known_parabola():
     assert v.df == 16 - 6  # 4 seed intercepts, b and c
     # the fit at the vertex against the fit at the largest x: 0 - 0.1 (8 - 4)^2
     assert math.isclose(v.depth, -1.6, abs_tol=0.01) and 0 < v.depth_half < 0.01
+    assert nbs.floor_below_whole(v) == "resolved"
+    shallow = dataclasses.replace(v, depth=-0.25, depth_half=0.27)  # its interval holds 0
+    assert nbs.floor_below_whole(shallow) == "not resolved"
 
 
 @pytest.mark.parametrize(

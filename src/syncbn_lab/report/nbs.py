@@ -182,6 +182,13 @@ def u_shape(study: NormalizationBatchStudy) -> tuple[str, Vertex | None]:
     return ("holds" if holds else "does not hold"), vertex
 
 
+def floor_below_whole(vertex: Vertex) -> str:
+    """Whether the U's floor beats the whole batch: resolved when the 95 % interval of the
+    fitted minimum less the fit at the whole batch lies below zero, not resolved otherwise
+    (a U whose floor the seeds cannot tell from the whole batch's error)."""
+    return "resolved" if vertex.depth + vertex.depth_half < 0 else "not resolved"
+
+
 def mde(std_of_difference: float, n: int, power: float = 0.8) -> float:
     """The smallest mean paired difference a two-sided t-test at ALPHA finds with ``power``
     over ``n`` seeds, for differences of standard deviation ``std_of_difference``."""
@@ -305,10 +312,17 @@ def _u_section(s: NormalizationBatchStudy, noise: float) -> list[str]:
             f"(p = {fmt_p(vertex.c_p)}), minimum at {2**vertex.at:.1f} images, 95 % interval "
             f"{2**vertex.low:.1f} to {2**vertex.high:.1f} (the swept range is "
             f"{s.bn[0].normalization_batch} to {s.bn[-1].normalization_batch}). It holds only "
-            "with positive curvature and an interval that excludes both ends. The fitted "
-            f"minimum lies {vertex.depth:+.2f} ± {vertex.depth_half:.2f} pp (95 % interval) "
-            f"from the fit at the whole batch of {s.whole.normalization_batch}."
+            "with positive curvature and an interval that excludes both ends."
         )
+        if verdict == "holds":
+            floor = floor_below_whole(vertex)
+            lines += [
+                "",
+                f"**The U's floor below the whole batch: {floor}.** The fitted minimum lies "
+                f"{vertex.depth:+.2f} ± {vertex.depth_half:.2f} pp (95 % interval) from the "
+                f"fit at the whole batch of {s.whole.normalization_batch}; it is resolved "
+                "only when that interval lies below zero.",
+            ]
     elif verdict == "not yet":
         lines[-1] += " The bn cells are not all finished."
     lines += _signature(s)
