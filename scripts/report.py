@@ -9,8 +9,8 @@ committed results.csv (the converged study against reports/bn_vs_syncbn_1epoch/)
 A sweep whose experiment sets ``sweep.report: normalization_batch`` (nbs_256) gets that
 study's report instead (syncbn_lab.report.nbs): test error against the normalisation batch,
 SyncBN groups against BN at the same normalisation batch, with its unfinished cells marked.
-SWEEP_DIR may also be a runs.tar.gz that ``scripts/sweep.py --archive`` wrote: it is laid
-out under multirun/<study>/ first.
+SWEEP_DIR may also be a runs.tar.gz that ``scripts/sweep.py --archive`` wrote: the report
+reads exactly its runs, from a temporary copy (nothing is written under multirun/).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import argparse
 import json
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 from syncbn_lab import archive
@@ -32,12 +33,10 @@ TITLE = "BatchNorm vs SyncBatchNorm across device counts"
 NBS_TITLE = "The normalisation batch: per-device BN and SyncBN groups at a fixed global batch"
 
 
-def laid_out(path: Path) -> Path:
-    """A sweep dir: ``path`` itself, or the archive ``path`` unpacked under multirun/."""
-    if not path.is_file():
-        return path
-    _, record = archive.read_record(path)
-    return archive.unpack(path, ROOT / "multirun" / record["name"])
+def laid_out(path: Path, scratch: Path) -> Path:
+    """A sweep dir: ``path`` itself, or the archive ``path`` unpacked into ``scratch`` (a
+    fresh directory), so that its report holds the archive's runs and no others."""
+    return archive.unpack(path, scratch) if path.is_file() else path
 
 
 def report_kind(sweep_dir: Path) -> str:
@@ -76,8 +75,10 @@ def main() -> None:
         help="an earlier study's results.csv whose claims the report sets beside these",
     )
     args = parser.parse_args()
-    with exit_on_user_error():
-        args.sweep_dirs = [laid_out(d) for d in args.sweep_dirs]
+    with exit_on_user_error(), tempfile.TemporaryDirectory(prefix="report-") as scratch:
+        args.sweep_dirs = [
+            laid_out(d, Path(scratch) / str(i)) for i, d in enumerate(args.sweep_dirs)
+        ]
         recorded = args.sweep_dirs[0] / "wall_time_s"  # what the sweep wrote, all attempts
         if args.wall_time_s is None and len(args.sweep_dirs) == 1 and recorded.exists():
             args.wall_time_s = float(recorded.read_text())

@@ -154,8 +154,9 @@ def test_mde_follows_the_t_table():
 
 
 def test_report_script_renders_from_the_archive_with_its_time_and_machines(tmp_path):
-    """scripts/report.py on a runs.tar.gz: laid out, the nbs report chosen by the
-    experiment's sweep.report, the code version, machines and time outside training stated."""
+    """scripts/report.py on a runs.tar.gz: read from a temporary copy (nothing written under
+    the checkout's multirun/), the nbs report chosen by the experiment's sweep.report, the code
+    version, machines and time outside training stated."""
     errors = {256: 7.6, 32: 7.0, 8: 7.2, 2: 7.9}
     sweep_dir = make_sweep(tmp_path, errors, sync_error=7.02)
     archive.start_attempt(sweep_dir, {"cpu": "AMD EPYC", "cpu_isa": "AVX512"})
@@ -168,6 +169,7 @@ def test_report_script_renders_from_the_archive_with_its_time_and_machines(tmp_p
         capture_output=True, text=True, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
+    assert not (ROOT / "multirun" / "nbs_256" / sweep_dir.name).exists()
     text = (out / "README.md").read_text()
     assert text.startswith("# The normalisation batch")
     assert "20 of 20 declared runs finished." in text
