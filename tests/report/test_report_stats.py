@@ -10,6 +10,7 @@ from scipy import stats as scipy_stats
 
 from syncbn_lab.report import stats
 from syncbn_lab.report.collect import Run
+from syncbn_lab.report.tables import fmt_paired
 
 
 def runs_of(table: dict[tuple[int, int], float]) -> list[Run]:
@@ -35,6 +36,12 @@ def test_paired_is_scipys_paired_t_test():
     assert d.significant == (d.p < 0.05)
     assert math.isnan(stats.paired({0: 1.0}, {0: 2.0}).p)  # one pair: no test
     assert stats.paired({}, b).n == 0
+
+
+def test_a_paired_difference_reads_with_its_spread_and_one_seed_without():
+    assert fmt_paired(stats.paired({0: 2.0, 1: 3.0}, {0: 1.0, 1: 1.0})) == "+1.50 ± 0.71"
+    assert fmt_paired(stats.paired({0: 1.0}, {0: 1.25})) == "-0.25 (one seed)"  # not ± 0
+    assert fmt_paired(stats.paired({}, {0: 1.0})) == "–"
 
 
 def test_noise_floor_and_the_device_count_anova():

@@ -278,11 +278,6 @@ def _over_seeds(values: list[float], digits: int = 2) -> str:
     return fmt(*mean_std(values), digits=digits)
 
 
-def _paired(d: Paired, digits: int = 2) -> str:
-    """A paired difference as mean ± std over seeds; one seed's difference alone."""
-    return f"{d.mean:+.{digits}f} (one seed)" if d.n == 1 else fmt_paired(d, digits)
-
-
 def _u_section(s: NormalizationBatchStudy, noise: float) -> list[str]:
     verdict, vertex = u_shape(s)
     lines = [
@@ -302,8 +297,8 @@ def _u_section(s: NormalizationBatchStudy, noise: float) -> list[str]:
             continue
         d = s.against(cell, s.whole)
         loss = s.against(cell, s.whole, lambda r: r["train_loss"])
-        lines.append(table_row(cell.normalization_batch, _paired(d), fmt_p(d.p),
-                               _verdict(d, noise), _paired(loss, 4), fmt_p(loss.p)))  # fmt: skip
+        lines.append(table_row(cell.normalization_batch, fmt_paired(d), fmt_p(d.p),
+                               _verdict(d, noise), fmt_paired(loss, 4), fmt_p(loss.p)))  # fmt: skip
     lines += ["", f"**A U in the normalisation batch: {verdict}.**"]
     if vertex is not None:
         lines[-1] += (
@@ -379,7 +374,7 @@ def _groups_section(s: NormalizationBatchStudy, noise: float) -> list[str]:
                 continue
             d = s.against(cell, other)
             lines.append(table_row(cell.label(s.global_batch), other.label(s.global_batch),
-                                   _paired(d), fmt_p(d.p), _verdict(d, noise)))  # fmt: skip
+                                   fmt_paired(d), fmt_p(d.p), _verdict(d, noise)))  # fmt: skip
         if same_batch is not None:
             d = s.against(cell, same_batch)
             verdict = reaches(d, noise) if s.complete(cell, same_batch) else "not yet"

@@ -22,8 +22,12 @@ def fmt_p(p: float) -> str:
 
 
 def fmt_paired(d: Paired, digits: int = 2) -> str:
+    """A paired difference as mean ± std over seeds; one seed's difference alone (it has no
+    spread to state)."""
     if d.n == 0:
         return "–"
+    if d.n == 1:
+        return f"{d.mean:+.{digits}f} (one seed)"
     return f"{d.mean:+.{digits}f} ± {d.std:.{digits}f}"
 
 
