@@ -22,6 +22,14 @@ needs_avx2 = pytest.mark.skipif(
 )
 
 TRAIN = str(Path(__file__).resolve().parents[1] / "scripts" / "train.py")
+DATA_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "data"
+
+
+def data_cfg(name: str, **overrides: Any):
+    """configs/data/<name>.yaml with ``overrides`` merged in (no Hydra needed)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(OmegaConf.load(DATA_CONFIGS / f"{name}.yaml"), overrides)
 
 
 def train_cli(*args: str, cwd: Any = None, timeout: float = 180) -> subprocess.CompletedProcess:

@@ -50,7 +50,8 @@ def declared(experiment: str, smoke: bool) -> tuple[list[str], dict[str, list[st
     sweep = compose([f"experiment={experiment}"]).sweep
     chosen = sweep.smoke if smoke else sweep
     common = list(sweep.smoke.overrides) if smoke else []
-    return common, {k: list(v) for k, v in OmegaConf.to_container(chosen.parts).items()}
+    parts = OmegaConf.to_container(chosen.parts) if chosen.parts is not None else {}
+    return common, {k: list(v) for k, v in parts.items()}  # parts: null runs the grid alone
 
 
 def compare_with(experiment: str) -> str | None:

@@ -8,16 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import DATA_CONFIGS, data_cfg
 from omegaconf import OmegaConf
 from PIL import Image
 
 from syncbn_lab.data import DATASET_NAMES, DataError, DataSplits, build_datasets
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "data"
-
-
-def cfg_for(name: str, **overrides):
-    return OmegaConf.merge(OmegaConf.load(CONFIGS / f"{name}.yaml"), overrides)
+CONFIGS = DATA_CONFIGS
 
 
 def test_unknown_name_lists_the_valid_ones():
@@ -45,7 +42,7 @@ def test_every_config_exists_and_documents_every_key():
 
 
 def test_a_missing_key_names_the_config_file():
-    cfg = cfg_for("synthetic")
+    cfg = data_cfg("synthetic")
     del cfg["noise_std"]
     with pytest.raises(
         DataError, match=r"data.noise_std is not set; add it to configs/data/synthetic.yaml"
@@ -64,7 +61,7 @@ def check_items(splits: DataSplits, channels: int, size: int) -> None:
 
 
 def test_synthetic_is_deterministic_normalised_and_learnable():
-    cfg = cfg_for("synthetic", num_classes=3, channels=2, image_size=6, num_train=300)
+    cfg = data_cfg("synthetic", num_classes=3, channels=2, image_size=6, num_train=300)
     splits = build_datasets(cfg)
     check_items(splits, 2, 6)
     assert (len(splits.train), len(splits.val), len(splits.test), splits.num_classes) == (
@@ -78,7 +75,7 @@ def test_synthetic_is_deterministic_normalised_and_learnable():
     for split in ("train", "val", "test"):
         assert torch.equal(getattr(splits, split).images, getattr(again, split).images)
     assert not torch.equal(
-        splits.train.images, build_datasets(cfg_for("synthetic", seed=1)).train.images
+        splits.train.images, build_datasets(data_cfg("synthetic", seed=1)).train.images
     )
     x, y = splits.train.batch(range(300))
     assert abs(x.mean().item()) < 0.05 and abs(x.std().item() - 1) < 0.05
@@ -100,13 +97,13 @@ def test_synthetic_is_deterministic_normalised_and_learnable():
 
 def test_synthetic_rejects_nonsense():
     with pytest.raises(DataError, match="num_classes >= 2"):
-        build_datasets(cfg_for("synthetic", num_classes=1))
+        build_datasets(data_cfg("synthetic", num_classes=1))
 
 
 def test_digits_fixed_stratified_split():
     from sklearn.datasets import load_digits
 
-    splits = build_datasets(cfg_for("digits"))
+    splits = build_datasets(data_cfg("digits"))
     check_items(splits, 1, 8)
     sizes = [len(splits.train), len(splits.val), len(splits.test)]
     assert (
@@ -123,7 +120,7 @@ def test_digits_fixed_stratified_split():
     for dataset in (splits.val, splits.test):
         share = np.bincount(dataset.targets.numpy(), minlength=10) / len(dataset)
         assert np.abs(share - overall).max() < 0.01  # stratified
-    again = build_datasets(cfg_for("digits"))
+    again = build_datasets(data_cfg("digits"))
     assert torch.equal(again.test.source_indices, splits.test.source_indices)
     # Items are (pixels / 16 - mean) / std with the train split's statistics.
     x, _ = splits.train.batch(range(len(splits.train)))
@@ -150,7 +147,7 @@ def test_imagefolder_lazy_equals_in_memory(tmp_path):
     import torchvision.transforms as T
 
     write_image_tree(tmp_path)
-    cfg = cfg_for("imagefolder", root=str(tmp_path), image_size=16, augment=False)
+    cfg = data_cfg("imagefolder", root=str(tmp_path), image_size=16, augment=False)
     lazy = build_datasets(cfg)
     eager = build_datasets(OmegaConf.merge(cfg, {"in_memory": True}))
     check_items(lazy, 3, 16)
@@ -173,7 +170,7 @@ def test_imagefolder_lazy_equals_in_memory(tmp_path):
 
 
 def test_imagefolder_errors(tmp_path):
-    cfg = cfg_for("imagefolder", root=str(tmp_path))
+    cfg = data_cfg("imagefolder", root=str(tmp_path))
     with pytest.raises(DataError, match=rf"image folder {tmp_path}/train does not exist; expected"):
         build_datasets(cfg)
     write_image_tree(tmp_path, splits=("train", "val"))

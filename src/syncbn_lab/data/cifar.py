@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .base import DataError, DataSplits, require, resolve_root
-from .image_dataset import InMemoryImageDataset, augmentation_from_cfg
+from .image_dataset import InMemoryImageDataset, dataset_options
 from .safe_pickle import safe_load
 
 
@@ -264,18 +264,15 @@ def build_cifar(cfg: Any, spec: CifarSpec, *, downloader: Downloader | None = No
     train_idx, val_idx = split_train_val(
         len(train_labels), int(require(cfg, "val_size")), int(require(cfg, "split_seed"))
     )
-    common = {
-        "mean": spec.mean,
-        "std": spec.std,
-        "normalize": bool(require(cfg, "normalize")),
-        "augmentation": augmentation_from_cfg(cfg),
-        "seed": int(require(cfg, "augment_seed")),
-    }
+
+    def options(split: str) -> dict[str, Any]:
+        return dataset_options(cfg, spec.mean, spec.std, split)
+
     train = InMemoryImageDataset(
-        train_images[train_idx], train_labels[train_idx], train=True, **common
+        train_images[train_idx], train_labels[train_idx], **options("train")
     )
-    val = InMemoryImageDataset(train_images[val_idx], train_labels[val_idx], train=False, **common)
-    test = InMemoryImageDataset(test_images, test_labels, train=False, **common)
+    val = InMemoryImageDataset(train_images[val_idx], train_labels[val_idx], **options("val"))
+    test = InMemoryImageDataset(test_images, test_labels, **options("test"))
     train.source_indices, val.source_indices = train_idx, val_idx  # rows of the 50k training set
     for dataset in (train, val, test):
         dataset.classes = class_names

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .base import DataError, DataSplits, require
-from .image_dataset import InMemoryImageDataset, augmentation_from_cfg, channel_stats
+from .image_dataset import InMemoryImageDataset, channel_stats, dataset_options
 
 PIXEL_MAX = 16.0
 
@@ -52,25 +52,18 @@ def build_digits(cfg: Any) -> DataSplits:
         int(require(cfg, "split_seed")),
     )
     mean, std = channel_stats(images[train_idx], pixel_max=PIXEL_MAX)
-    common = {
-        "mean": mean,
-        "std": std,
-        "pixel_max": PIXEL_MAX,
-        "normalize": bool(require(cfg, "normalize")),
-        "augmentation": augmentation_from_cfg(cfg),
-        "seed": int(require(cfg, "augment_seed")),
-    }
 
-    def subset(index: np.ndarray, train: bool) -> InMemoryImageDataset:
+    def subset(index: np.ndarray, split: str) -> InMemoryImageDataset:
         idx = torch.from_numpy(index)
-        dataset = InMemoryImageDataset(images[idx], labels[idx], train=train, **common)
+        options = dataset_options(cfg, mean, std, split)
+        dataset = InMemoryImageDataset(images[idx], labels[idx], pixel_max=PIXEL_MAX, **options)
         dataset.source_indices = idx  # rows of load_digits()
         return dataset
 
     return DataSplits(
-        train=subset(train_idx, True),
-        val=subset(val_idx, False),
-        test=subset(test_idx, False),
+        train=subset(train_idx, "train"),
+        val=subset(val_idx, "val"),
+        test=subset(test_idx, "test"),
         num_classes=10,
         in_channels=1,
         image_size=8,

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from .base import require
+from .base import DataError, require
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,29 @@ class Augmentation:
     @property
     def enabled(self) -> bool:
         return self.crop_padding > 0 or self.hflip
+
+
+@dataclass(frozen=True)
+class Heterogeneity:
+    """Per-image brightness and contrast: x -> c * x + b, c ~ U[1 - s, 1 + s], b ~ U[-s/2, s/2]
+    (pixels in [0, 1]), drawn once per image of ``split`` from ``seed``."""
+
+    strength: float
+    seed: int = 0
+    split: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.strength < 1.0:
+            raise DataError(
+                f"data.heterogeneity={self.strength} is outside [0, 1): a gain drawn from "
+                "[1 - s, 1 + s] must stay positive; choose s in [0, 1)"
+            )
+
+    def factors(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gain and offset (float64, ``count`` each) of images 0 .. count - 1."""
+        g = torch.Generator().manual_seed(mix_seed((self.seed, self.split)))
+        uniform = torch.rand((2, count), generator=g, dtype=torch.float64).mul_(2).sub_(1)
+        return 1.0 + self.strength * uniform[0], 0.5 * self.strength * uniform[1]
 
 
 class DeviceBatch(list):
@@ -85,6 +108,7 @@ class ImageDataset(Dataset):
         train: bool = False,
         augmentation: Augmentation | None = None,
         seed: int = 0,
+        heterogeneity: Heterogeneity | None = None,
     ) -> None:
         mean_t = torch.tensor([float(m) for m in mean], dtype=torch.float64)
         std_t = torch.tensor([float(s) for s in std], dtype=torch.float64)
@@ -107,6 +131,8 @@ class ImageDataset(Dataset):
         self.augmentation = augmentation or Augmentation()
         self.seed = int(seed)
         self.epoch = 0
+        self.heterogeneity = heterogeneity if heterogeneity and heterogeneity.strength else None
+        self._factors: tuple[torch.Tensor, torch.Tensor] | None = None  # drawn on first use
 
     # -- what subclasses provide -------------------------------------------------------------
     def _load(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,8 +220,21 @@ class ImageDataset(Dataset):
         images, labels = self._load(index)
         if self.augments:
             images = self._augment_devices(images, index, devices)
-        out = images.to(self.dtype).mul_(self._scale).add_(self._shift)
+        if self.heterogeneity is None:
+            out = images.to(self.dtype).mul_(self._scale).add_(self._shift)
+        else:  # (c * u / pixel_max + b - mean) / std as one multiply-add per image
+            gain, offset = self._image_factors(index)
+            scale = self._scale64 * gain.view(-1, 1, 1, 1)
+            shift = self._shift64 + offset.view(-1, 1, 1, 1) * (self._scale64 * self.pixel_max)
+            out = images.to(self.dtype).mul_(scale.to(self.dtype)).add_(shift.to(self.dtype))
         return out, labels
+
+    def _image_factors(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The heterogeneity gain and offset of the images ``index`` names."""
+        if self._factors is None:
+            self._factors = self.heterogeneity.factors(len(self))
+        gain, offset = self._factors
+        return gain.index_select(0, index), offset.index_select(0, index)
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, int]]:
         images, labels = self.batch(indices)
@@ -248,15 +287,28 @@ def augmentation_from_cfg(cfg: Any) -> Augmentation | None:
     )
 
 
-def dataset_options(cfg: Any, mean: Sequence[float], std: Sequence[float]) -> dict[str, Any]:
-    """The keyword arguments every dataset family passes to its datasets: the normaliser
-    (``mean``, ``std`` and ``cfg.normalize``) and the augmentation keys of ``cfg``."""
+def heterogeneity_from_cfg(cfg: Any, split: str) -> Heterogeneity | None:
+    """The per-image brightness and contrast a data config asks for in ``split``, or None."""
+    strength = float(require(cfg, "heterogeneity"))
+    if strength == 0.0:
+        return None
+    return Heterogeneity(strength, int(require(cfg, "heterogeneity_seed")), split)
+
+
+def dataset_options(
+    cfg: Any, mean: Sequence[float], std: Sequence[float], split: str
+) -> dict[str, Any]:
+    """The keyword arguments every dataset family passes to its ``split`` dataset: the
+    normaliser (``mean``, ``std`` and ``cfg.normalize``), the augmentation keys of ``cfg``
+    (train only) and the heterogeneity keys."""
     return {
         "mean": tuple(mean),
         "std": tuple(std),
         "normalize": bool(require(cfg, "normalize")),
+        "train": split == "train",
         "augmentation": augmentation_from_cfg(cfg),
         "seed": int(require(cfg, "augment_seed")),
+        "heterogeneity": heterogeneity_from_cfg(cfg, split),
     }
 
 
@@ -265,13 +317,11 @@ def uint8_splits(
 ) -> dict[str, InMemoryImageDataset]:
     """train/val/test datasets from uint8 arrays ``x_<split>`` (N x H x W, one channel) and
     ``y_<split>``, with the normalisation and augmentation keys of the data config ``cfg``."""
-    common = dataset_options(cfg, mean, std)
     return {
         split: InMemoryImageDataset(
             torch.as_tensor(arrays[f"x_{split}"]).unsqueeze(1),
             torch.as_tensor(arrays[f"y_{split}"]),
-            train=split == "train",
-            **common,
+            **dataset_options(cfg, mean, std, split),
         )
         for split in ("train", "val", "test")
     }

@@ -92,18 +92,15 @@ def build_imagefolder(cfg: Any) -> DataSplits:
                 f"{root / dirs[split]} has classes {scanned[split][1]} but {root / dirs['train']} "
                 f"has {classes}; every split needs the same class folders"
             )
-    common = dataset_options(cfg, mean, std)
     in_memory = bool(require(cfg, "in_memory"))
 
     def make(split: str) -> ImageDataset:
-        samples, train = scanned[split][0], split == "train"
+        samples, options = scanned[split][0], dataset_options(cfg, mean, std, split)
         if not in_memory:
-            return ImageFolderDataset(
-                samples, image_size=image_size, channels=channels, train=train, **common
-            )
+            return ImageFolderDataset(samples, image_size=image_size, channels=channels, **options)
         images = torch.stack([decode_image(p, image_size, channels) for p, _ in samples])
         labels = torch.tensor([label for _, label in samples], dtype=torch.long)
-        return InMemoryImageDataset(images, labels, train=train, **common)
+        return InMemoryImageDataset(images, labels, **options)
 
     splits = {split: make(split) for split in SPLITS}
     for dataset in splits.values():

@@ -60,9 +60,8 @@ def build_synthetic(cfg: Any) -> DataSplits:
         for k, split in enumerate(SPLITS)
     }
     mean, std = channel_stats(data["train"][0])
-    common = dataset_options(cfg, mean, std)
     splits = {
-        split: InMemoryImageDataset(*data[split], train=split == "train", **common)
+        split: InMemoryImageDataset(*data[split], **dataset_options(cfg, mean, std, split))
         for split in SPLITS
     }
     return DataSplits(
