@@ -78,45 +78,49 @@ def resume_key(cfg: DictConfig) -> dict[str, Any]:
     return key
 
 
-def resolve(resume: str) -> Path:
-    """A run dir means its checkpoints/last.pt; a file is taken as it is."""
+def resolve(resume: str, key: str = "trainer.resume") -> Path:
+    """A run dir means its checkpoints/last.pt; a file is taken as it is. ``key``: the setting
+    that named it, for the error message."""
     path = Path(resume).expanduser()
     if path.is_dir():
         path = path / "checkpoints" / "last.pt"
     if not path.is_file():
         raise ConfigError(
-            f"trainer.resume={resume}: no checkpoint at {path}; pass a run dir holding "
+            f"{key}={resume}: no checkpoint at {path}; pass a run dir holding "
             "checkpoints/last.pt or a .pt file"
         )
     return path
 
 
-def load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """The checkpoint at ``path``, or one ConfigError line naming the file and what is wrong
-    with it (torch's own message would advise an unsafe load)."""
+def load(
+    path: Path, map_location: str | torch.device = "cpu", key: str = "trainer.resume"
+) -> dict[str, Any]:
+    """The checkpoint at ``path``, or one ConfigError line naming ``key`` (the setting that
+    named it), the file and what is wrong with it (torch's own message would advise an unsafe
+    load)."""
     with open(path, "rb") as f:
         head = f.read(len(_ZIP_MAGIC))
     if head != _ZIP_MAGIC:
-        raise ConfigError(f"trainer.resume: {path} is not a checkpoint (not a torch.save file)")
+        raise ConfigError(f"{key}: {path} is not a checkpoint (not a torch.save file)")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except RuntimeError as e:
         if "zip archive" in str(e) or "central directory" in str(e):
             raise ConfigError(
-                f"trainer.resume: {path} is truncated or damaged ({os.path.getsize(path)} "
+                f"{key}: {path} is truncated or damaged ({os.path.getsize(path)} "
                 "bytes); resume from an earlier checkpoint (best.pt) or start anew"
             ) from None
-        raise _not_ours(path) from None
+        raise _not_ours(path, key) from None
     except Exception:  # pickle.UnpicklingError: objects a weights-only load refuses
-        raise _not_ours(path) from None
+        raise _not_ours(path, key) from None
     if not isinstance(state, dict) or any(k not in state for k in REQUIRED):
-        raise _not_ours(path)
+        raise _not_ours(path, key)
     return state
 
 
-def _not_ours(path: Path) -> ConfigError:
+def _not_ours(path: Path, key: str) -> ConfigError:
     return ConfigError(
-        f"trainer.resume: {path} is not a checkpoint of this project (it holds no model, "
+        f"{key}: {path} is not a checkpoint of this project (it holds no model, "
         "optimizer and step as scripts/train.py writes them)"
     )
 
