@@ -11,8 +11,9 @@
    signal): its time, and its share of the 2-rank DDP step of 2.
 
 Measurements alternate between the configurations being compared (single, emulated, ...,
-single, emulated); ratios are medians of per-round ratios, so a machine that gets busier
-during the run slows both sides of each ratio alike.
+single, emulated; syncbn_lab.bench); figures are medians over rounds and ratios medians of
+per-round ratios, so a machine that gets busier during the run slows both sides of each ratio
+alike.
 
     python scripts/bench_parallel.py            # resnet8 width 16 on 1x28x28 (MNIST-sized)
     python scripts/bench_parallel.py --quick    # fewer steps
@@ -21,9 +22,7 @@ during the run slows both sides of each ratio alike.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -31,10 +30,10 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, open_dict
 
 from syncbn_lab import models
+from syncbn_lab.bench import Timing, per_call_ms, write_json
 from syncbn_lab.config import RunShape, available_cores, compose, derive, validate
 from syncbn_lab.nn.registry import norm_layer
 from syncbn_lab.parallel import Runtime, parallelize
-from syncbn_lab.provenance import write_json
 
 GLOBAL_BATCH = 64
 IMAGE = (1, 28, 28)
@@ -67,16 +66,6 @@ def make_step(cfg: DictConfig, rt: Runtime, batch: int, our_bn: bool = False):
     return step
 
 
-def timed(step, steps: int) -> float:
-    """Median seconds per step over ``steps`` steps."""
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def config(*overrides: str) -> DictConfig:
     base = [
         "model=resnet8",
@@ -90,7 +79,7 @@ def config(*overrides: str) -> DictConfig:
 
 
 # -- 1. emulation overhead ---------------------------------------------------------------------
-def emulation_overhead(devices: list[int], steps: int, rounds: int) -> list[tuple]:
+def emulation_overhead(devices: list[int], timing: Timing, steps: int) -> list[tuple]:
     """Rows (bn, N, per-device batch, img/s of: torch BN on one device, the same syncbn_lab
     layer on one device, N emulated devices; and the median per-round ratios emulated/torch
     and emulated/layer)."""
@@ -103,16 +92,12 @@ def emulation_overhead(devices: list[int], steps: int, rounds: int) -> list[tupl
         for n in devices:
             cfg = config("parallel=emulated", f"parallel.devices={n}", f"bn={bn}")
             steps_of[n] = make_step(cfg, Runtime(slices_per_process=n), GLOBAL_BATCH)
-        for step in steps_of.values():
-            timed(step, 3)  # warm-up
-        times = {key: [] for key in steps_of}
-        for _ in range(rounds):  # interleaved: torch, layer, N=2, N=8, ..., torch, ...
-            for key, step in steps_of.items():
-                times[key].append(timed(step, steps))
-        rate = {key: GLOBAL_BATCH / statistics.median(t) for key, t in times.items()}
+        # interleaved: torch, layer, N=2, N=8, ..., torch, ...
+        rounds = timing.measure({key: per_call_ms(step, steps) for key, step in steps_of.items()})
+        rate = {key: 1e3 * GLOBAL_BATCH / ms for key, ms in rounds.values().items()}
         for n in devices:
-            vs_torch = ratio_of_rounds(times["torch"], times[n])
-            vs_layer = ratio_of_rounds(times["layer"], times[n])
+            vs_torch = rounds.ratio("torch", n)
+            vs_layer = rounds.ratio("layer", n)
             rows.append(
                 (
                     bn,
@@ -128,47 +113,44 @@ def emulation_overhead(devices: list[int], steps: int, rounds: int) -> list[tupl
     return rows
 
 
-def ratio_of_rounds(reference: list[float], other: list[float]) -> float:
-    """Median over rounds of reference/other step time (= other/reference images/s): each
-    round's pair ran back to back, so a machine that gets busier slows both."""
-    return statistics.median(r / o for r, o in zip(reference, other, strict=True))
-
-
 # -- 2 and 3. real DDP -----------------------------------------------------------------------
 def ddp_worker(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict:
-    """Runs in each rank: median step time of this rank's per-device batch."""
+    """Runs in each rank: seconds per step of this rank's per-device batch, after a warm-up."""
     import torch.distributed as dist
 
-    step = make_step(cfg, rt, shape.per_device_batch_size)
-    timed(step, 2)
+    step = per_call_ms(make_step(cfg, rt, shape.per_device_batch_size), cfg.bench.steps)
+    step()
     dist.barrier()
-    return {"step_s": timed(step, cfg.bench.steps)}
+    return {"step_s": step() / 1e3}
 
 
-def ddp_step_time(bn: str, steps: int) -> float:
+def ddp_step_ms(bn: str, steps: int) -> float:
+    """ms per step of 2-rank gloo DDP (rank 0's), one thread per rank."""
     from syncbn_lab.parallel.ddp import launch_ddp
 
     cfg = config("parallel=ddp", "parallel.devices=2", f"bn={bn}", "trainer.threads=1")
     with open_dict(cfg):
         cfg.bench = {"steps": steps}
     with tempfile.TemporaryDirectory() as run_dir:
-        return launch_ddp(cfg, derive(cfg), ddp_worker, Path(run_dir))["step_s"]
+        return 1e3 * launch_ddp(cfg, derive(cfg), ddp_worker, Path(run_dir))["step_s"]
 
 
-def ddp_against_one_process(steps: int, rounds: int) -> dict[str, float]:
-    """Median step times, and median per-round ratios, of one process (64 images) and of
-    2-rank DDP with bn and with sync (32 images per rank); rounds alternate the three."""
-    one_process = make_step(config("bn=bn"), Runtime(), GLOBAL_BATCH)
-    timed(one_process, 3)  # warm-up
-    times = {"single": [], "bn": [], "sync": []}
-    for _ in range(rounds):
-        times["single"].append(timed(one_process, steps))
-        times["bn"].append(ddp_step_time("bn", steps))
-        times["sync"].append(ddp_step_time("sync", steps))
-    result = {key: statistics.median(t) for key, t in times.items()}
-    result["bn/single"] = ratio_of_rounds(times["bn"], times["single"])
-    result["sync/single"] = ratio_of_rounds(times["sync"], times["single"])
-    result["sync/bn"] = ratio_of_rounds(times["sync"], times["bn"])
+def ddp_against_one_process(timing: Timing, steps: int) -> dict[str, float]:
+    """Seconds per step and per-round ratios of one process (64 images) and of 2-rank DDP
+    with bn and with sync (32 images per rank); rounds alternate the three. Each DDP job warms
+    up in its own ranks, so ``timing`` needs no warm-up; the one process warms up here."""
+    one_process = per_call_ms(make_step(config("bn=bn"), Runtime(), GLOBAL_BATCH), steps)
+    one_process()
+    samplers = {
+        "single": one_process,
+        "bn": lambda: ddp_step_ms("bn", steps),
+        "sync": lambda: ddp_step_ms("sync", steps),
+    }
+    rounds = timing.measure(samplers)
+    result = {key: ms / 1e3 for key, ms in rounds.values().items()}
+    result["bn/single"] = rounds.ratio("bn", "single")
+    result["sync/single"] = rounds.ratio("sync", "single")
+    result["sync/bn"] = rounds.ratio("sync", "bn")
     return result
 
 
@@ -178,21 +160,23 @@ def exchange_time(rank: int, world_size: int, repeats: int) -> float:
     import torch.distributed as dist
 
     flags = torch.zeros(4, dtype=torch.float64)
-    for _ in range(200):
-        dist.all_reduce(flags)
-    start = time.perf_counter()
-    for _ in range(repeats):
+
+    def exchange_once() -> None:
         dist.all_reduce(flags)
         flags.tolist()
-    return (time.perf_counter() - start) / repeats
+
+    per_call_ms(exchange_once, 200)()  # warm-up
+    return per_call_ms(exchange_once, repeats)() / 1e3
 
 
-def exchange(rounds: int, repeats: int = 2000) -> float:
-    """Median over ``rounds`` of rank 0's seconds per exchange, 2 gloo ranks x 1 thread."""
+def exchange(timing: Timing, repeats: int = 2000) -> float:
+    """Rank 0's seconds per exchange, 2 gloo ranks x 1 thread, over ``timing``'s rounds (each
+    job warms up in its ranks)."""
     from syncbn_lab.parallel.gloo_jobs import run_distributed
 
     target = f"{Path(__file__).resolve()}:exchange_time"
-    return statistics.median(run_distributed(target, 2, repeats)[0] for _ in range(rounds))
+    job = {"exchange": lambda: run_distributed(target, 2, repeats)[0]}
+    return timing.measure(job).value("exchange")
 
 
 def main() -> None:
@@ -201,6 +185,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the records to this file")
     args = parser.parse_args()
     steps, rounds = (2, 4) if args.quick else (2, 12)
+    timing = Timing(rounds, stat="median")
+    ddp_timing = Timing(max(3, rounds // 3), warmup=0, stat="median")
+    exchange_timing = Timing(3, warmup=0, stat="median")
     threads = torch.get_num_threads()
     print(
         f"torch {torch.__version__}, {available_cores()} cores, {threads} threads, "
@@ -214,7 +201,7 @@ def main() -> None:
     print(
         "{:>5} {:>4} {:>7} {:>11} {:>11} {:>11} {:>8} {:>8}".format(*header, "vs torch", "vs layer")
     )
-    emulation = emulation_overhead([2, 8, 64], steps, rounds)
+    emulation = emulation_overhead([2, 8, 64], timing, steps)
     for bn, n, per_device, torch_rate, layer, emulated, vs_torch, vs_layer in emulation:
         print(
             f"{bn:>5} {n:>4} {per_device:>7} {torch_rate:>11.0f} {layer:>11.0f} {emulated:>11.0f} "
@@ -222,7 +209,7 @@ def main() -> None:
         )
 
     print("\n2./3. Real DDP, 2 gloo ranks x 1 thread, 32 images per rank (global 64)")
-    ddp = ddp_against_one_process(steps, max(3, rounds // 3))
+    ddp = ddp_against_one_process(ddp_timing, steps)
     print(f"{'configuration':<44} {'step ms':>8} {'ratio':>6}")
     one = f"one process, {threads} threads, 64 images, bn"
     print(f"{one:<44} {1e3 * ddp['single']:>8.1f} {1:>6.2f}")
@@ -230,7 +217,7 @@ def main() -> None:
     print(f"{'2-rank gloo DDP, sync':<44} {1e3 * ddp['sync']:>8.1f} {ddp['sync/single']:>6.2f}")
     print(f"\nSyncBN / BN step time under 2-rank DDP: {ddp['sync/bn']:.2f}")
 
-    ddp["exchange"] = exchange(3)
+    ddp["exchange"] = exchange(exchange_timing)
     ddp["exchange/bn"] = ddp["exchange"] / ddp["bn"]
     print(
         f"\n4. The loop's per-step exchange, 2 gloo ranks: {1e3 * ddp['exchange']:.2f} ms, "
@@ -240,7 +227,14 @@ def main() -> None:
         columns = ("bn", "devices", "per_device_batch", "torch_images_per_s")
         columns += ("layer_images_per_s", "emulated_images_per_s", "vs_torch", "vs_layer")
         rows = [dict(zip(columns, row, strict=True)) for row in emulation]
-        write_json(args.json, {"emulation": rows, "ddp": ddp}, steps=steps, rounds=rounds)
+        write_json(
+            args.json,
+            {"emulation": rows, "ddp": ddp},
+            timing,
+            steps=steps,
+            ddp_timing=ddp_timing.meta(),
+            exchange_timing=exchange_timing.meta(),
+        )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ For each norm variant
 today, bf16 autocast, channels_last, torch.compile, and their combinations) it trains
 warm-up + measured steps and reads images/s over the measured steps from metrics.jsonl, so a
 compile's first steps are not counted (its cost is in the `warmup_s` column). Rounds
-alternate the levers, so machine noise hits every column alike; the median is printed.
+alternate the levers (syncbn_lab.bench), so machine noise hits every column alike; a figure
+is the median over rounds, a ratio the median of the per-round ratios.
 
 It also prints the share of this machine's float32 and bfloat16 GEMM peak (a 2048x2048
 matmul, measured in the same run) that the step reaches, from the FLOPs per image that
@@ -31,17 +32,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from syncbn_lab.bench import Rounds, Timing, per_call_ms, write_json
 from syncbn_lab.engine.precision import native_bf16
-from syncbn_lab.provenance import write_json
 
 VARIANTS = {  # name -> overrides
     "bn, 1 device": ["bn=bn", "parallel=single"],
@@ -162,16 +162,11 @@ def profile_table(profiles: dict[str, dict]) -> str:
 
 
 def gemm_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of a size x size matmul in ``dtype`` (best of ``repeats``)."""
+    """FLOP/s of a size x size matmul in ``dtype`` (fastest of ``repeats``)."""
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    rounds = Timing(repeats).measure({"mm": per_call_ms(lambda: torch.mm(a, b))})
+    return 2 * size**3 / (rounds.value("mm") / 1e3)
 
 
 def resnet8(norm) -> torch.nn.Module:
@@ -202,12 +197,8 @@ def ceiling(precision: str, warmup: int, steps: int) -> float:
         loss.backward()
         optimizer.step()
 
-    for _ in range(warmup):
-        step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return steps * BATCH / (time.perf_counter() - start)
+    per_call_ms(step, warmup)()
+    return 1e3 * BATCH / per_call_ms(step, steps)()
 
 
 def flops_per_image() -> float:
@@ -253,40 +244,46 @@ def main() -> None:
         f"GEMM peak at 1 thread: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 "
         f"{peaks['bf16'] / 1e9:.0f} GFLOP/s; the step: {flops / 1e6:.1f} MFLOP per image"
     )
-    samples = {(v, lever): [] for v in args.variants for lever in levers}
-    warmups = {(v, lever): [] for v in args.variants for lever in levers}
-    ceilings = {precision: [] for precision in CEILINGS}
-    for round_ in range(args.rounds):
-        for precision in CEILINGS:
-            ceilings[precision].append(ceiling(precision, args.warmup, args.steps))
-            print(
-                f"  round {round_ + 1}: no normalisation, {precision} + channels_last (the "
-                f"ceiling) {ceilings[precision][-1]:7.0f} images/s"
-            )
-        for variant in args.variants:
-            for lever in levers:
-                rate, warm = measure(variant, lever, args.warmup, args.steps)
-                samples[variant, lever].append(rate)
-                warmups[variant, lever].append(warm)
-                print(
-                    f"  round {round_ + 1}: {variant:<17} {lever:<31} {rate:7.0f} images/s",
-                    flush=True,
-                )
+    # Samplers of images/s: the ceilings in this process, each (variant, lever) as a run of
+    # scripts/train.py, whose warm-up window's seconds go to `warmups`. Each run warms up in
+    # its own steps, so the rounds need no warm-up call.
+    warmups: dict[tuple[str, str], list[float]] = {}
+
+    def run_of(variant: str, lever: str):
+        def sample() -> float:
+            rate, warm = measure(variant, lever, args.warmup, args.steps)
+            warmups.setdefault((variant, lever), []).append(warm)
+            return rate
+
+        return sample
+
+    samplers = {("ceiling", p): partial(ceiling, p, args.warmup, args.steps) for p in CEILINGS} | {
+        (v, lever): run_of(v, lever) for v in args.variants for lever in levers
+    }
+
+    def progress(round_: int, key: tuple[str, str], rate: float) -> None:
+        what = f"no normalisation, {key[1]} + channels_last (the ceiling)"
+        what = what if key[0] == "ceiling" else f"{key[0]:<17} {key[1]:<31}"
+        print(f"  round {round_ + 1}: {what} {rate:7.0f} images/s", flush=True)
+
+    timing = Timing(args.rounds, warmup=0, stat="median")
+    rounds = timing.measure(samplers, on_sample=progress)
+    warm_s = Rounds(warmups, "median")
 
     records = []
     columns = ("images/s", "x today", "fp32 peak", "bf16 peak", "warmup_s")
     print(f"{'variant':<17} {'lever':<31} " + " ".join(f"{c:>9}" for c in columns))
-    tops = {precision: statistics.median(rates) for precision, rates in ceilings.items()}
+    tops = {p: rounds.value(("ceiling", p)) for p in CEILINGS}
     for variant in args.variants:
-        base = statistics.median(samples[variant, BASELINE])
+        ceiling_ratios = {p: rounds.ratio(("ceiling", p), (variant, BASELINE)) for p in CEILINGS}
         for precision, top in tops.items():
             print(
                 f"{variant:<17} {f'ceiling: no norm, {precision} + CL':<31} {top:9.0f} "
-                f"{top / base:7.2f}x {top * flops / peaks['fp32']:9.0%} "
+                f"{ceiling_ratios[precision]:7.2f}x {top * flops / peaks['fp32']:9.0%} "
                 f"{top * flops / peaks['bf16']:9.0%}"
             )
         for lever in levers:
-            rate = statistics.median(samples[variant, lever])
+            rate = rounds.value((variant, lever))
             achieved = rate * flops
             record = {
                 "variant": variant,
@@ -295,12 +292,12 @@ def main() -> None:
                 "channels_last": LEVERS[lever][1],
                 "compile": LEVERS[lever][2],
                 "images_per_s": rate,
-                "images_per_s_rounds": samples[variant, lever],
-                "ratio_to_today": rate / base,
+                "images_per_s_rounds": rounds.samples[variant, lever],
+                "ratio_to_today": rounds.ratio((variant, lever), (variant, BASELINE)),
                 "share_of_fp32_peak": achieved / peaks["fp32"],
                 "share_of_bf16_peak": achieved / peaks["bf16"],
-                "warmup_s": statistics.median(warmups[variant, lever]),
-                **{f"ceiling_{p}_ratio_to_today": top / base for p, top in tops.items()},
+                "warmup_s": warm_s.value((variant, lever)),
+                **{f"ceiling_{p}_ratio_to_today": r for p, r in ceiling_ratios.items()},
             }
             records.append(record)
             print(
@@ -318,22 +315,22 @@ def main() -> None:
             out.unlink()
         table = profile_table(profiles)
         print(table)
-        write_json(args.profile.with_suffix(".json"), profiles, threads=1, batch=BATCH)
+        write_json(args.profile.with_suffix(".json"), profiles, None, threads=1, batch=BATCH)
         args.profile.with_suffix(".md").write_text(table)
     if args.json:
         isa = torch.backends.cpu.get_cpu_capability().lower()
         write_json(
             str(args.json).replace("{isa}", isa),
             records,
+            timing,
             gemm_peak_flops={k: v for k, v in peaks.items()},
             ceiling_images_per_s=tops,  # no normalisation, channels_last: by precision
-            ceiling_images_per_s_rounds=ceilings,
+            ceiling_images_per_s_rounds={p: rounds.samples["ceiling", p] for p in CEILINGS},
             flops_per_image=flops,
             threads=1,
             batch=BATCH,
             warmup_steps=args.warmup,
             measured_steps=args.steps,
-            rounds=args.rounds,
         )
 
 

@@ -1,14 +1,16 @@
 """Forward+backward time of one BatchNorm layer on CPU, and bytes each SyncBN design sends.
 
-Not a test: it prints ratios measured side by side in one run (the implementations are
-interleaved and the best of several repeats is kept, so background load hits all alike).
+Not a test: it prints ratios measured side by side in one run (syncbn_lab.bench: the
+implementations are interleaved and the fastest of several rounds is kept, so background load
+hits all alike). Every CPU figure of one layer is this script's; scripts/bench_kernels.py
+measures the same layer on a GPU.
 
     python scripts/bench_syncbn.py [--quick] [--json FILE] [--no-dist] [--system-malloc]
                                    [--threads N] [--clock wall|thread]
 
 Allocator: every step allocates fresh outputs of 2-8 MB. With glibc's default tunables its
 dynamic mmap threshold makes such blocks come back from the kernel (zeroed page by page) in
-some repeats and not in others, depending on the order of earlier allocations, which moved
+some rounds and not in others, depending on the order of earlier allocations, which moved
 single rows by up to 2x between runs. The script therefore re-runs itself with the threshold
 fixed (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, what jemalloc or tcmalloc users get
 anyway), the same for every row; --system-malloc keeps the defaults.
@@ -18,13 +20,15 @@ impl="reference" and impl="fused" (the C++ kernels of syncbn_lab._C; skipped whe
 in one process (world size 1) and on 2 gloo ranks, each rank holding the full shape. At 2
 ranks the per-device BatchNorm of each impl (same math, no collective) runs interleaved in the
 same job, so the difference between the two is the cost of synchronising, and their
-difference from the world-size-1 row is the two processes competing for the CPU. Every row
-is the module path (forward + backward through BatchNorm/SyncBatchNorm), not the bare kernels
-(scripts/bench_kernels.py). The byte table is the payload per layer per training step that
-each rank hands to its collectives: ours is one all_reduce of 2C+1 float64 values forward and
-one of 2C float32 values backward, whatever the world size W; torch's SyncBatchNorm
-(torch/nn/modules/_functions.py) all_gathers W*(2C+1) float32 values (mean, invstd, count of
-every rank) forward and all_reduces 2C float32 values backward.
+difference from the world-size-1 row is the two processes competing for the CPU. These rows
+are the module path (forward + backward through BatchNorm/SyncBatchNorm); in one process two
+more rows give scale: fused_op, the bare op (ops.batch_norm_train and the running-statistics
+update, without the module's dispatch and precision guard), and formula, the reference's
+formulas with autograd through plain torch ops. The byte table is the payload per layer per
+training step that each rank hands to its collectives: ours is one all_reduce of 2C+1 float64
+values forward and one of 2C float32 values backward, whatever the world size W; torch's
+SyncBatchNorm (torch/nn/modules/_functions.py) all_gathers W*(2C+1) float32 values (mean,
+invstd, count of every rank) forward and all_reduces 2C float32 values backward.
 """
 
 from __future__ import annotations
@@ -38,9 +42,9 @@ from pathlib import Path
 
 import torch
 
+from syncbn_lab.bench import FusedOp, Timing, fwd_bwd, per_call_ms, write_json
 from syncbn_lab.nn import BatchNorm, SyncBatchNorm, ops
 from syncbn_lab.parallel.gloo_jobs import run_distributed
-from syncbn_lab.provenance import write_json
 
 SHAPES = [(64, 64, 32, 32), (32, 256, 8, 8)]
 LAYOUTS = {"NCHW": torch.contiguous_format, "channels_last": torch.channels_last}
@@ -50,12 +54,30 @@ REFERENCE = "reference"
 PER_DEVICE = "reference_per_device"  # same math without synchronisation: isolates its cost
 FUSED = "fused"
 FUSED_PER_DEVICE = "fused_per_device"
+FUSED_OP = "fused_op"  # the bare op, no module
+FORMULA = "formula"  # the reference's formulas, autograd through plain torch ops
+EPS = 1e-5
 MAX_STEPS = 200  # per sample of a local row
 
 
-def _layer(impl: str, channels: int) -> torch.nn.Module:
+def formula(bn: torch.nn.BatchNorm2d):
+    """Training-mode BatchNorm written in torch ops, differentiated by autograd."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0, keepdim=True)
+        y = (x - mean) * torch.rsqrt(var + EPS)
+        return y * bn.weight.view(1, -1, 1, 1) + bn.bias.view(1, -1, 1, 1)
+
+    return run
+
+
+def _layer(impl: str, channels: int):
     if impl == TORCH:
         return torch.nn.BatchNorm2d(channels)
+    if impl == FUSED_OP:
+        return FusedOp(torch.nn.BatchNorm2d(channels), EPS)
+    if impl == FORMULA:
+        return formula(torch.nn.BatchNorm2d(channels))
     kind = "fused" if impl.startswith(FUSED) else "reference"
     if impl.endswith("_per_device"):
         return BatchNorm(channels, impl=kind)
@@ -75,19 +97,9 @@ def _inputs(shape, layout):
 
 
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
-_clock = time.perf_counter
 
 
-def _time_ms(layer, x, grad, iters: int) -> float:
-    """Mean milliseconds of forward + backward over ``iters`` steps, on the chosen clock."""
-    start = _clock()
-    for _ in range(iters):
-        x.grad = None
-        layer(x).backward(grad)
-    return (_clock() - start) / iters * 1e3
-
-
-def _record(impl, shape, layout, world_size, ms):
+def _record(impl, shape, layout, world_size, ms, clock):
     return {
         "impl": impl,
         "shape": list(shape),
@@ -95,31 +107,32 @@ def _record(impl, shape, layout, world_size, ms):
         "layout": layout,
         "world_size": world_size,
         "fwd_bwd_ms": round(ms, 3),
-        "clock": next(name for name, clock in CLOCKS.items() if clock is _clock),
+        "clock": clock,
     }
 
 
-def local_records(iters: int, repeats: int, sample_ms: float) -> list[dict]:
-    """torch.nn.BatchNorm2d and the reference in one process, interleaved, best of repeats."""
+def local_records(timing: Timing, steps: int, sample_ms: float, clock: str) -> list[dict]:
+    """Every implementation in one process, interleaved, fastest of the rounds."""
     records = []
     for shape in SHAPES:
         for layout in LAYOUTS:
             x, grad = _inputs(shape, layout)
-            impls = (TORCH, REFERENCE, *_fused_impls(FUSED))
-            layers = {impl: _layer(impl, shape[1]) for impl in impls}
-            best = dict.fromkeys(layers, float("inf"))
-            # Warm-up, which also sizes each measurement to >= sample_ms (small shapes take
-            # more steps per sample, so that one slow step moves a sample less).
-            warm_ms = min(_time_ms(layer, x, grad, 2) for layer in layers.values())
-            steps = max(iters, min(MAX_STEPS, math.ceil(sample_ms / warm_ms)))
-            for _ in range(repeats):
-                for impl, layer in layers.items():
-                    best[impl] = min(best[impl], _time_ms(layer, x, grad, steps))
-            records += [_record(impl, shape, layout, 1, ms) for impl, ms in best.items()]
+            impls = (TORCH, REFERENCE, *_fused_impls(FUSED, FUSED_OP), FORMULA)
+            runs = {impl: fwd_bwd(_layer(impl, shape[1]), x, grad) for impl in impls}
+            # Each sample lasts >= sample_ms (small shapes take more steps per sample, so that
+            # one slow step moves a sample less), sized by the fastest first call.
+            first_ms = min(per_call_ms(run, 2, CLOCKS[clock])() for run in runs.values())
+            inner = max(steps, min(MAX_STEPS, math.ceil(sample_ms / first_ms)))
+            rounds = timing.measure(
+                {impl: per_call_ms(run, inner, CLOCKS[clock]) for impl, run in runs.items()}
+            )
+            records += [
+                _record(impl, shape, layout, 1, ms, clock) for impl, ms in rounds.values().items()
+            ]
     return records
 
 
-def _distributed_worker(rank: int, world_size: int, iters: int, repeats: int) -> list[dict]:
+def _distributed_worker(rank: int, world_size: int, timing: Timing, steps: int) -> list[dict]:
     import torch.distributed as dist
 
     records = []
@@ -127,22 +140,21 @@ def _distributed_worker(rank: int, world_size: int, iters: int, repeats: int) ->
         for layout in LAYOUTS:
             x, grad = _inputs(shape, layout)
             impls = (PER_DEVICE, REFERENCE, *_fused_impls(FUSED_PER_DEVICE, FUSED))
-            layers = {impl: _layer(impl, shape[1]) for impl in impls}
-            best = dict.fromkeys(layers, float("inf"))
-            for layer in layers.values():
-                _time_ms(layer, x, grad, 2)
-            for _ in range(repeats):
-                for impl, layer in layers.items():
-                    dist.barrier()
-                    best[impl] = min(best[impl], _time_ms(layer, x, grad, iters))
-            records += [_record(impl, shape, layout, world_size, ms) for impl, ms in best.items()]
+            samplers = {
+                impl: per_call_ms(fwd_bwd(_layer(impl, shape[1]), x, grad), steps) for impl in impls
+            }
+            rounds = timing.measure(samplers, before=dist.barrier)
+            records += [
+                _record(impl, shape, layout, world_size, ms, "wall")
+                for impl, ms in rounds.values().items()
+            ]
     return records
 
 
-def distributed_records(iters: int, repeats: int, world_size: int = 2) -> list[dict]:
-    """The reference on ``world_size`` gloo ranks; the slowest rank's time per row."""
+def distributed_records(timing: Timing, steps: int, world_size: int = 2) -> list[dict]:
+    """Every implementation on ``world_size`` gloo ranks; the slowest rank's time per row."""
     per_rank = run_distributed(
-        _distributed_worker, world_size, iters, repeats, timeout_s=1800, pg_timeout_s=300
+        _distributed_worker, world_size, timing, steps, timeout_s=1800, pg_timeout_s=300
     )
     rows = per_rank[0]
     for other in per_rank[1:]:
@@ -235,15 +247,14 @@ def main() -> None:
     _fixed_allocator(args)
     allocator = "glibc defaults" if args.system_malloc else "glibc, mmap threshold fixed"
     print(f"threads {args.threads}, allocator: {allocator}, clock: {args.clock}")
-    global _clock
-    _clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    iters, repeats, sample_ms = (3, 3, 0.0) if args.quick else (10, 9, 40.0)
+    steps, rounds, sample_ms = (3, 3, 0.0) if args.quick else (10, 9, 40.0)
+    timing = Timing(rounds=rounds)
 
-    records = local_records(iters, repeats, sample_ms)
+    records = local_records(timing, steps, sample_ms, args.clock)
     if not args.no_dist:
-        records += distributed_records(iters, repeats)
+        records += distributed_records(timing, steps)
     print_time_table(records)
     print_bytes_table()
     if args.json:
@@ -251,6 +262,9 @@ def main() -> None:
         write_json(
             args.json,
             records,
+            timing,
+            steps_per_sample_min=steps,
+            sample_ms=sample_ms,
             threads=args.threads,
             clock=args.clock,
             allocator=allocator,

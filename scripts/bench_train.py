@@ -1,8 +1,9 @@
 """Training-speed and quality benchmark (a script, not a test).
 
 Part 1 (always): the engine's images/s against a minimal hand-written PyTorch loop on the
-same model, data and batch size, measured side by side in one process, alternating rounds;
-prints both figures and the ratio (target: >= 0.9).
+same model, data and batch size, measured side by side in one process, alternating rounds
+(syncbn_lab.bench); prints both medians and the median of the per-round ratios (target:
+>= 0.9).
 
 Part 2 (--full): `make train` (resnet8, MNIST, 2 epochs, bf16 + channels_last) as a
 subprocess, without W&B; prints wall time and test accuracy (targets: <= 240 s, >= 99.0 %).
@@ -14,16 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from syncbn_lab.provenance import write_json
+from syncbn_lab.bench import Timing, per_call_ms, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,15 +57,16 @@ def hand_written_images_per_s(steps: int, overrides: list[str]) -> float:
         splits.train, batch_size=batch, shuffle=True, drop_last=True
     )
     model.train()
-    start = time.perf_counter()
-    for i, (x, y) in enumerate(loader):
-        if i == steps:
-            break
+    batches = iter(loader)
+
+    def step() -> None:
+        x, y = next(batches)
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    return steps * batch / (time.perf_counter() - start)
+
+    return 1e3 * batch / per_call_ms(step, steps)()
 
 
 def main() -> None:
@@ -78,16 +78,20 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both loops")
     args = parser.parse_args()
 
-    engine, hand = [], []
-    for _ in range(args.rounds):
-        hand.append(hand_written_images_per_s(args.steps, args.overrides))
-        engine.append(engine_images_per_s(args.steps, args.overrides))
+    # Each loop is built afresh in every round and times its own steps: no warm-up call.
+    timing = Timing(args.rounds, warmup=0, stat="median")
+    rounds = timing.measure(
+        {
+            "hand": lambda: hand_written_images_per_s(args.steps, args.overrides),
+            "engine": lambda: engine_images_per_s(args.steps, args.overrides),
+        }
+    )
     result = {
-        "engine_images_per_s": statistics.median(engine),
-        "hand_written_images_per_s": statistics.median(hand),
+        "engine_images_per_s": rounds.value("engine"),
+        "hand_written_images_per_s": rounds.value("hand"),
         "threads": torch.get_num_threads(),
+        "ratio": rounds.ratio("engine", "hand"),
     }
-    result["ratio"] = result["engine_images_per_s"] / result["hand_written_images_per_s"]
     print(f"{'loop':<14}{'images/s (median of ' + str(args.rounds) + ')':>28}")
     print(f"{'hand-written':<14}{result['hand_written_images_per_s']:>28.1f}")
     print(f"{'engine':<14}{result['engine_images_per_s']:>28.1f}")
@@ -95,12 +99,9 @@ def main() -> None:
 
     if args.full:
         with tempfile.TemporaryDirectory() as tmp:
-            start = time.perf_counter()
             overrides = ["logger=none", f"hydra.run.dir={tmp}/run", *args.overrides]
-            subprocess.run(
-                ["make", "-s", "train", f"ARGS={' '.join(overrides)}"], cwd=ROOT, check=True
-            )
-            wall = time.perf_counter() - start
+            command = ["make", "-s", "train", f"ARGS={' '.join(overrides)}"]
+            wall = per_call_ms(lambda: subprocess.run(command, cwd=ROOT, check=True))() / 1e3
             summary = json.loads((Path(tmp) / "run" / "summary.json").read_text())
         result.update(full_wall_time_s=wall, full_test_acc=summary["test_acc"])
         print(
@@ -108,7 +109,7 @@ def main() -> None:
             f"test accuracy {summary['test_acc']:.2f} % (target >= 99.0)"
         )
     if args.json:
-        write_json(args.json, result, steps=args.steps, rounds=args.rounds)
+        write_json(args.json, result, timing, steps=args.steps)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,14 @@ _SOURCE = Path(__file__).resolve().parent
 
 TRAINING_PATH = ("src/syncbn_lab", "csrc", "configs", "scripts/train.py")
 """What decides how a run trains, relative to the checkout: :func:`training_code` hashes it."""
-NOT_TRAINING = ("src/syncbn_lab/report", "src/syncbn_lab/sweep.py", "src/syncbn_lab/archive.py")
-"""Inside TRAINING_PATH but only read after (the report) or around (the sweep) the runs."""
+NOT_TRAINING = (
+    "src/syncbn_lab/report",
+    "src/syncbn_lab/sweep.py",
+    "src/syncbn_lab/archive.py",
+    "src/syncbn_lab/bench.py",
+)
+"""Inside TRAINING_PATH but only read after (the report), around (the sweep) or beside (the
+benchmarks' harness) the runs."""
 TRAINED_SUFFIXES = (".py", ".yaml", ".cpp", ".cu", ".h", ".cuh")
 
 
