@@ -28,10 +28,10 @@ $(VENV)/.stamp-torch:
 	touch $@
 
 $(VENV)/.stamp-install: pyproject.toml setup.py $(VENV)/.stamp-torch
-	$(PIP) install --quiet --no-build-isolation -e '.[dev]'
+	$(PIP) install --quiet --no-build-isolation -e '.[lab,dev]'
 	touch $@
 
-setup: $(VENV)/.stamp-install ## Create .venv (torch, then this package with dev extras); idempotent
+setup: $(VENV)/.stamp-install ## Create .venv (torch, then this package with the lab and dev extras); idempotent
 
 # make train runs the default job in the study's fast configuration: trainer.precision=auto
 # (bf16 autocast where the CPU has bf16 instructions, fp32 elsewhere) and channels_last

@@ -1,19 +1,18 @@
-"""syncbn-lab: what data parallelism does to BatchNorm, reproduced exactly."""
+"""syncbn-lab: what data parallelism does to BatchNorm, reproduced exactly.
+
+``syncbn_lab.nn`` (the layers) needs torch alone; the lab around it (configs, training,
+reports) needs the ``lab`` extra.
+"""
+
+import sys
 
 __version__ = "0.1.0"
 
-
-def _register_resolvers() -> None:
-    """``${mul:a,b,...}`` in the configs: the product of its arguments (a study at GPU scale
-    derives its global batch and learning rate from the images per GPU)."""
-    import math
-
-    from omegaconf import OmegaConf
-
-    OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(xs), replace=True)
-
-
-_register_resolvers()
+# The configs' resolvers: registered by syncbn_lab.config when it loads, and here already
+# when OmegaConf is loaded (a Hydra entry point may resolve a config before that). Importing
+# the package never loads OmegaConf itself, so `import syncbn_lab.nn` needs torch alone.
+if "omegaconf" in sys.modules:
+    import syncbn_lab.resolvers  # noqa: F401
 
 
 def _isolate_inductor_cache() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import syncbn_lab.resolvers  # noqa: F401 - registers the configs' ${mul:...}
 from syncbn_lab.checks import in_range, positive
 from syncbn_lab.errors import ConfigError
 from syncbn_lab.machine import available_cores, torchrun_env
