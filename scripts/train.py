@@ -21,7 +21,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from syncbn_lab.cli import exit_on_user_error, precheck
+from syncbn_lab.cli import exit_on_user_error, precheck, torchrun_restart_args
 from syncbn_lab.logging.console import LOG_FILE, log_terminal
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
@@ -84,6 +84,6 @@ def torchrun_follower_args(args: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = torchrun_follower_args(sys.argv[1:])
+    sys.argv[1:] = torchrun_follower_args(torchrun_restart_args(sys.argv[1:]))
     precheck(CONFIG_DIR, sys.argv[1:])
     main()

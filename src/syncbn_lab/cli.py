@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -44,10 +45,35 @@ def precheck(config_dir: str, args: list[str]) -> None:
         GlobalHydra.instance().clear()
     from syncbn_lab.config import validate
     from syncbn_lab.engine.checkpoint import check_resume
-    from syncbn_lab.train import check_run_dir
+    from syncbn_lab.machine import torchrun_env
+    from syncbn_lab.run_dir import decide, follows_the_run_dir
 
+    launched = torchrun_env()
     with exit_on_user_error(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # run() validates again and warns then, once
-        validate(cfg)
-        check_resume(cfg)  # a bad checkpoint is one line before Hydra makes the run dir
-        check_run_dir(run_dir)
+        shape = validate(cfg)
+        if launched is not None and launched["rank"] != 0:  # rank 0 decides about the run dir
+            if not follows_the_run_dir(cfg):
+                check_resume(cfg)
+            return
+        try:  # a bad checkpoint or a taken run dir is one line before Hydra makes the run dir
+            decide(cfg, run_dir)
+        except OneLineError as e:
+            if launched is not None:
+                from syncbn_lab.parallel.ddp import refuse_torchrun_ranks
+
+                refuse_torchrun_ranks(cfg, shape, one_line(e))
+            raise
+
+
+def torchrun_restart_args(args: list[str]) -> list[str]:
+    """For a rank 0 that torchrun restarted: ``args`` with the run dir its job started in,
+    unless they name one (Hydra would name a new one by the time)."""
+    from syncbn_lab.run_dir import remembered_run_dir, restarted, torchrun_restart
+
+    if not restarted() or os.environ.get("RANK") != "0":
+        return args
+    if any(a.split("=", 1)[0].lstrip("+~") == "hydra.run.dir" for a in args):
+        return args
+    run_dir = remembered_run_dir(torchrun_restart()[0])
+    return args if run_dir is None else [*args, f"hydra.run.dir={run_dir}"]

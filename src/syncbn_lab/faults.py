@@ -23,17 +23,21 @@ class Fault:
 
     The config carries it to every rank however the run starts (spawned DDP, torchrun,
     SLURM), so tests of failure handling go through the real CLI; :func:`fault_override`
-    writes the command-line override.
+    writes the command-line override. It fires in torchrun's attempt ``attempt`` only (0:
+    the first, and always outside torchrun).
     """
 
-    def __init__(self, action: str, rank: int, step: int):
+    def __init__(self, action: str, rank: int, step: int, attempt: int = 0):
         if action not in FAULT_ACTIONS:
             raise ValueError(f"Fault action {action!r}; choose one of {', '.join(FAULT_ACTIONS)}")
         self.action, self.rank, self.step = action, int(rank), int(step)
+        self.attempt = int(attempt)
 
     def __call__(self, trainer: Any) -> None:
         if trainer.rt.rank != self.rank or trainer.state.step != self.step:
             return
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) != self.attempt:
+            return  # a worker that torchrun restarted trains past the step its fault was for
         if self.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.action == "term":

@@ -5,8 +5,7 @@
 
 from __future__ import annotations
 
-import json
-import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,55 +14,78 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from syncbn_lab import models
+from syncbn_lab import run_dir as run_dir_start
 from syncbn_lab.config import RunShape, validate
 from syncbn_lab.engine import checkpoint, precision, preemption, preflight
 from syncbn_lab.engine.compute import memory_format
 from syncbn_lab.engine.loop import Loaders, Trainer, step_counts
 from syncbn_lab.engine.optim import build_optimizer
 from syncbn_lab.engine.precise_bn import bn_layers
-from syncbn_lab.errors import ConfigError, one_line, warn_one_line
+from syncbn_lab.errors import ConfigError, UserError, one_line, warn_one_line
 from syncbn_lab.logging import NullLogger, RunLogger
 from syncbn_lab.logging.console import LOG_FILE, log_terminal, result_block
 from syncbn_lab.machine import available_cores, torchrun_env
 from syncbn_lab.nn.registry import norm_layer
 from syncbn_lab.parallel import launch, parallelize
 from syncbn_lab.parallel.context import Runtime
+from syncbn_lab.parallel.ddp import refuse_torchrun_ranks
 from syncbn_lab.parallel.sampling import eval_loader, seed_everything, train_loader
 from syncbn_lab.provenance import cpu_isa, cpu_model, git_commit, training_code
+from syncbn_lab.run_dir import Start, follows_the_run_dir
 from syncbn_lab.variants import GROUP as VARIANT_GROUP
 
 # The code this process trains with, read when it loads it: a sweep's worker process runs the
 # jobs after its first with the modules it imported then, whatever the checkout holds by then.
 LOADED_CODE = {"git_commit": git_commit(), "training_code": training_code()}
 
-RUN_FILES = ("metrics.jsonl", "summary.json")
 
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
-    """Train as ``cfg`` says, writing outputs into ``run_dir``; return the summary."""
+    """Train as ``cfg`` says, writing outputs into ``run_dir``; return the summary. Where the
+    run starts (afresh, or continuing its run dir's checkpoint) is :mod:`syncbn_lab.run_dir`'s
+    decision, taken by the process that owns the run dir (torchrun: rank 0, whose ranks > 0
+    learn it when the group forms)."""
     run_dir = Path(run_dir)
     shape = validate(cfg)
     cfg = pin_precision(cfg, shape.device)
-    resumed = checkpoint.check_resume(cfg)  # fail now, not after the processes start
-    from syncbn_lab.data import prepare_data
-
     launched = torchrun_env()
-    if launched is None or launched["rank"] == 0:  # torchrun: rank 0 owns the one run dir
-        if resumed is not None and resumes_in_place(cfg, run_dir):
-            keep_metrics_until(run_dir / "metrics.jsonl", resumed["step"])
-        else:
-            check_run_dir(run_dir)
-        prepare_data(cfg.data)  # fetched and checked before anything is written
+    if launched is not None and launched["rank"] != 0:
+        if not follows_the_run_dir(cfg):
+            checkpoint.check_resume(cfg)  # fail now, not after the processes start
+    else:
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-        except OSError as e:
-            raise ConfigError(
-                f"cannot write the run dir {run_dir} ({e.strerror}); point hydra.run.dir at a "
-                "writable folder"
-            ) from e
+            chosen = start_in(cfg, run_dir)
+        except UserError as e:
+            if launched is not None:  # the other ranks wait for rank 0: tell them, then stop
+                refuse_torchrun_ranks(cfg, shape, one_line(e))
+            raise
+        if chosen.note:
+            print(chosen.note, file=sys.stderr, flush=True)
+        if chosen.finished is not None:
+            return chosen.finished
     with preemption.stop_signals():
         return launch(cfg, shape, worker, run_dir)
+
+
+def start_in(cfg: DictConfig, run_dir: Path) -> Start:
+    """Decide where the run starts (see :mod:`syncbn_lab.run_dir`), fetch and check the
+    data, then write the run dir's config.yaml: nothing is written before a check fails."""
+    from syncbn_lab.data import prepare_data
+
+    chosen = run_dir_start.decide(cfg, run_dir)
+    if chosen.finished is not None:
+        return chosen
+    prepare_data(cfg.data)  # fetched and checked before anything is written
+    run_dir_start.prepare(chosen, run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write the run dir {run_dir} ({e.strerror}); point hydra.run.dir at a "
+            "writable folder"
+        ) from e
+    return chosen
 
 
 def pin_precision(cfg: DictConfig, device: str) -> DictConfig:
@@ -78,41 +100,6 @@ def pin_precision(cfg: DictConfig, device: str) -> DictConfig:
     cfg = cfg.copy()
     cfg.trainer.precision = chosen
     return cfg
-
-
-def resumes_in_place(cfg: DictConfig, run_dir: Path) -> bool:
-    """``trainer.resume`` names a checkpoint of this run dir: the run continues there (a
-    requeued job, a resumed sweep) instead of starting a new run dir."""
-    path = checkpoint.resolve(cfg.trainer.resume).resolve()
-    return path.is_relative_to(run_dir.resolve())
-
-
-def keep_metrics_until(metrics: Path, step: int) -> None:
-    """Drop the records that a stopped run logged after its checkpoint at ``step``: the
-    resumed run logs them again."""
-    if not metrics.exists():
-        return
-    kept = [line for line in metrics.read_text().splitlines(keepends=True) if line.strip()]
-    kept = [line for line in kept if json.loads(line).get("step", 0) <= step]
-    metrics.write_text("".join(kept))
-
-
-def check_run_dir(run_dir: Path) -> None:
-    """Refuse a run dir that already holds a run or cannot be written, touching nothing."""
-    taken = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if taken:
-        raise ConfigError(
-            f"{run_dir} already holds a run ({', '.join(taken)}); choose a new "
-            "hydra.run.dir (or resume with trainer.resume=<that dir> into a new one)"
-        )
-    existing = run_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not (existing.is_dir() and os.access(existing, os.W_OK)):
-        raise ConfigError(
-            f"cannot write the run dir {run_dir} ({existing} is not a writable folder); "
-            "point hydra.run.dir at a writable folder"
-        )
 
 
 def worker(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[str, Any]:

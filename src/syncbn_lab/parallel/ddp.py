@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from syncbn_lab.engine import preemption
-from syncbn_lab.errors import OneLineError, one_line
+from syncbn_lab.errors import ConfigError, OneLineError, one_line
 from syncbn_lab.machine import available_cores, torchrun_env
 from syncbn_lab.parallel.context import Runtime
 
@@ -100,20 +100,19 @@ def launch_ddp(cfg: DictConfig, shape: RunShape, worker, run_dir: Path) -> dict[
 def _run_torchrun_rank(
     cfg, shape: RunShape, worker, run_dir: Path, env: dict[str, int]
 ) -> dict[str, Any]:
-    """This process is one of torchrun's ranks: join the group (env://) and run."""
-    p = cfg.parallel
-    device = _device_for(shape, env["local_rank"])
-    _set_threads(cfg, env["local_world_size"])
-    dist.init_process_group(
-        shape.backend,
-        init_method="env://",
-        timeout=datetime.timedelta(seconds=p.timeout_s),
-        device_id=device if device.type == "cuda" else None,
-    )
+    """This process is one of torchrun's ranks: join the group (env://) and run. Rank 0 tells
+    the others its run dir and the checkpoint the run continues (``trainer.resume`` as rank 0
+    decided it: ``auto`` and torchrun's restarts are decided there)."""
+    device = _join_torchrun_group(cfg, shape, env)
     try:
         # Only rank 0 has a Hydra run dir (scripts/train.py gives the others a temporary one).
-        holder = [str(run_dir)]
+        holder = [str(run_dir), cfg.trainer.get("resume"), None]
         dist.broadcast_object_list(holder, src=0)
+        if holder[2] is not None:
+            raise ConfigError(f"rank {env['rank']} stopped: rank 0 refused the run ({holder[2]})")
+        if env["rank"] != 0:
+            with open_dict(cfg):
+                cfg.trainer.resume = holder[1]
         rt = Runtime(
             device=device,
             rank=env["rank"],
@@ -131,6 +130,49 @@ def _run_torchrun_rank(
             raise
     finally:
         _destroy_process_group()
+
+
+def refuse_torchrun_ranks(cfg: DictConfig, shape: RunShape, line: str) -> None:
+    """torchrun's rank 0 cannot start the run (``line`` says why): join the group the other
+    ranks wait in and tell them, so each stops with one line instead of a timeout."""
+    env = torchrun_env()
+    if env is None:
+        return
+    try:
+        _join_torchrun_group(cfg, shape, env)
+        dist.broadcast_object_list([None, None, line], src=0)
+    except Exception:  # the others are gone already: rank 0's own line is what counts
+        pass
+    finally:
+        _destroy_process_group()
+
+
+def _join_torchrun_group(cfg: DictConfig, shape: RunShape, env: dict[str, int]) -> torch.device:
+    """Join torchrun's process group on this rank's device; returns the device.
+
+    The group meets in torchrun's store (env://) under a prefix of its own per attempt: the
+    agent's store outlives a restart, and without the prefix a restarted rank that comes
+    first reads the addresses the failed attempt's ranks left there and waits on them."""
+    device = _device_for(shape, env["local_rank"])
+    _set_threads(cfg, env["local_world_size"])
+    timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        dist.init_process_group(
+            shape.backend,
+            store=dist.PrefixStore(f"syncbn_lab/attempt_{attempt}", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+    except Exception as e:  # a rank that went away before the group formed
+        raise PeerFailed(
+            f"rank {env['rank']} could not join the process group ({one_line(e)[:200]}); "
+            "see the other ranks' errors"
+        ) from None
+    return device
 
 
 def _spawn_and_supervise(cfg: DictConfig, shape: RunShape, worker, run_dir: Path) -> dict[str, Any]:
