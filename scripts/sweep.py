@@ -9,12 +9,16 @@
     python scripts/sweep.py --experiment nbs_256 --archive reports/nbs_256/runs.tar.gz
     python scripts/sweep.py --resume reports/nbs_256/runs.tar.gz   # on any machine
     (an archive is laid out under multirun/<study>/, or under --sweep-dir where given)
+    python scripts/sweep.py --experiment calibration_epochs   # how long bn_vs_syncbn trains
+    python scripts/sweep.py --experiment fast_vs_fp32   # the fast configuration's check
 
 A study is a few Hydra multiruns into one sweep dir, as its experiment declares them
 (configs/experiment/<name>.yaml): its own grid (bn, sync x devices x seeds), then its
 ``sweep.parts``, e.g. Batch Renormalization at the small per-device batches, GroupNorm once
 per seed (it does not depend on the device count), and real gloo DDP runs one at a time (the
 cost table and the spot check against their emulated twins); syncbn_lab.sweep runs them.
+Then scripts/report.py writes the report into reports/<study>/ (--report-dir), as the
+experiment declares it (``sweep.report``: its writer, cells and comparisons).
 A run that fails does not stop the others: it leaves <run dir>/error.json with its one-line
 reason and the report shows its cell as missing with that reason. --resume runs the same
 sweep again in its dir (the settings recorded in <sweep dir>/sweep.json, trainer.precision
@@ -52,7 +56,6 @@ from syncbn_lab.multirun import SweepProgress, job_count
 from syncbn_lab.provenance import cpu_isa, cpu_model
 from syncbn_lab.sweep import (
     LOG,
-    compare_with,
     log_report_to_wandb,
     multirun,
     multirun_overrides,
@@ -115,10 +118,10 @@ def settings(args: argparse.Namespace) -> tuple[Path, dict]:
             part["overrides"].append(f"logger.group={name}-{stamp}")
     # where it started: the pinned precision was chosen for this machine
     record = {"name": name, "experiment": experiment, "parts": parts, "started_on": machine()}
+    if args.smoke:
+        record["smoke"] = True  # its report sets nothing beside it
     if args.archive is not None:
         record["archive"] = _from_root(args.archive)
-    if not args.smoke:
-        record["compare_with"] = compare_with(experiment)
     return sweep_dir, record
 
 
@@ -210,10 +213,8 @@ def main() -> None:
             str(report_dir),
             "--wall-time-s",
             f"{wall:.1f}",
-            *(["--compare-with", str(ROOT / record["compare_with"])]
-              if record.get("compare_with") else []),
         ],
-    )  # fmt: skip
+    )
     if report.returncode == 0:
         log_report_to_wandb(runs[0], report_dir, sweep_dir, record["name"])
     if any(statuses) or report.returncode:

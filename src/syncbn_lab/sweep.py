@@ -2,7 +2,8 @@
 one sweep dir, with a line per finished run (scripts/sweep.py is the entry point).
 
 The experiment's own grid (``hydra.sweeper.params``) is the first multirun; then each of its
-``sweep.parts`` (configs/experiment/*.yaml), in order: overrides on top of the grid. A part
+``sweep.parts`` (configs/experiment/*.yaml), in order: overrides on top of the grid (a part
+set to null, one that the experiment inherits, is not run). A part
 that chooses a distributed parallel mode (real DDP) runs one job at a time, since its ranks
 take the cores, and is left out when the grid itself already runs under such a mode.
 ``--smoke`` swaps in ``sweep.smoke`` (configs/config.yaml): its overrides on every run, and
@@ -51,14 +52,8 @@ def declared(experiment: str, smoke: bool) -> tuple[list[str], dict[str, list[st
     chosen = sweep.smoke if smoke else sweep
     common = list(sweep.smoke.overrides) if smoke else []
     parts = OmegaConf.to_container(chosen.parts) if chosen.parts is not None else {}
-    return common, {k: list(v) for k, v in parts.items()}  # parts: null runs the grid alone
-
-
-def compare_with(experiment: str) -> str | None:
-    """The committed results.csv whose claims ``experiment``'s report sets beside its own."""
-    from syncbn_lab.config import compose
-
-    return compose([f"experiment={experiment}"]).sweep.get("compare_with")
+    # parts: null runs the grid alone; a part set to null (one an experiment inherits) is dropped
+    return common, {k: list(v) for k, v in parts.items() if v is not None}
 
 
 def _mode_of(overrides: list[str], default: str | None) -> str | None:

@@ -52,5 +52,5 @@ def test_the_readme_quotes_the_committed_figures():
     section = (ROOT / "README.md").read_text().split("## The reproduction")[1].split("\n## ")[0]
     for batch in (64, 4, 2):
         assert f"{statistics.fmean(bn[batch]):.2f} %" in section
-    wall = (REPORT / "README.md").read_text().split("The sweep took ")[1].split(" minutes")[0]
+    wall = (REPORT / "README.md").read_text().split("The sweep took ")[1].split(" min")[0]
     assert f"{wall} min" in section

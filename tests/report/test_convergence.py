@@ -5,13 +5,13 @@ claims survive from an earlier study; and an earlier study read back from its re
 import math
 from pathlib import Path
 
-from syncbn_lab.report import write_report
-from syncbn_lab.report.collect import Run, runs_from_csv
+from planted import write_report
+
+from syncbn_lab.report.collect import Run, runs_from_csv, steps_to
 from syncbn_lab.report.convergence import (
     accumulation_section,
     batch_stats_section,
     speed_section,
-    steps_to,
     survival_section,
 )
 from syncbn_lab.report.study import Study

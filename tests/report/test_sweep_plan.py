@@ -74,3 +74,11 @@ def test_scripts_sweep_defines_no_grid():
     ]  # fmt: skip
     assert overrides == []
     assert CONFIG_DIR  # the experiments are composed from configs/, as train.py does
+
+
+def test_a_part_set_to_null_is_not_run():
+    """fast_vs_fp32 inherits the one-epoch study's parts and drops them (null), then adds its
+    own: its plan is the grid and its own parts."""
+    parts = sweep.plan("fast_vs_fp32", False, "emulated", "joblib", [])
+    assert [p["part"] for p in parts] == ["grid", "sync", "fp32", "fp32_sync"]
+    assert parts[2]["overrides"][-2:] == ["trainer.precision=fp32", "trainer.channels_last=false"]

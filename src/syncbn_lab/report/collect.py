@@ -1,9 +1,13 @@
-"""Read the run dirs of one or more sweeps into ``Run`` records."""
+"""Read the run dirs of one or more sweeps (or a committed results.csv) into ``Run`` records,
+and write a study's results.csv: each column a summary.json key, a run's config key or one of
+:data:`COMPUTED`."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,38 +15,6 @@ from typing import Any
 from syncbn_lab.errors import UserError
 from syncbn_lab.multirun import ERROR_FILE, finished_summary
 from syncbn_lab.variants import GROUP
-
-CSV_COLUMNS = (
-    GROUP,
-    "parallel",
-    "devices",
-    "accumulate",
-    "per_device_batch_size",
-    "normalization_batch_size",
-    "global_batch_size",
-    "seed",
-    "test_acc",
-    "test_acc_precise_bn",
-    "test_acc_batch_stats",
-    "test_error",
-    "test_error_precise_bn",
-    "test_error_batch_stats",
-    "train_loss",
-    "steps",
-    "step_time_s",
-    "comm_bytes_per_step",
-    "comm_gradients_bytes_per_step",
-    "comm_buffers_bytes_per_step",
-    "comm_norm_statistics_bytes_per_step",
-    "wall_time_s",
-    "precision",
-    "cpu_isa",
-    "cpu_bf16",
-    "git_commit",
-    "run_dir",
-)
-"""results.csv's columns; run_dir is the run's folder name inside its sweep dir (no machine
-paths), the comm_* columns are filled for real DDP runs only."""
 
 
 def series(cell: dict[str, Any]) -> Any:
@@ -64,9 +36,38 @@ class Run:
     summary: dict[str, Any]
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
     val_curve: list[tuple[int, float]] = field(default_factory=list)
+    config: Any = field(default=None, repr=False)
+    """The run's config (its config.yaml, read when a config key is first asked for)."""
 
     def __getitem__(self, key: str) -> Any:
         return series(self.summary) if key == GROUP else self.summary.get(key)
+
+    def value(self, key: str) -> Any:
+        """``key`` of this run: one of :data:`COMPUTED`, ``steps_to_<accuracy>``, a
+        summary.json key (or results.csv column) as recorded, or a config key
+        (``model.width``) from the run's config.yaml; None where the run has none."""
+        if key in COMPUTED:
+            return COMPUTED[key](self)
+        if key.startswith("steps_to_"):
+            return steps_to(self, float(key.removeprefix("steps_to_")))
+        if key in self.summary or "." not in key:
+            return self.summary.get(key)
+        if self.config is None:
+            path = self.run_dir / "config.yaml"
+            if not path.is_file():
+                return None
+            from omegaconf import OmegaConf
+
+            self.config = OmegaConf.load(path)
+        from omegaconf import OmegaConf
+
+        return OmegaConf.select(self.config, key)
+
+    def row(self, columns: Iterable[str] | None = None) -> dict[str, Any]:
+        """``columns`` (default: its summary's keys and :data:`COMPUTED`) by
+        :meth:`value`: a row of results.csv."""
+        columns = [*self.summary, *COMPUTED] if columns is None else columns
+        return {key: self.value(key) for key in columns}
 
     @property
     def test_error(self) -> float:
@@ -86,12 +87,52 @@ class Run:
         acc = self.summary.get(acc_key)
         return math.nan if acc is None else 100.0 - acc
 
-    def row(self) -> dict[str, Any]:
-        values = {**self.summary, "run_dir": self.run_dir.name}
-        values["test_error"] = self.test_error
-        values["test_error_precise_bn"] = self.test_error_precise_bn
-        values["test_error_batch_stats"] = self.test_error_batch_stats
-        return {key: values.get(key) for key in CSV_COLUMNS}
+
+def test_error(run: Run) -> float:
+    return run.test_error
+
+
+def test_error_precise_bn(run: Run) -> float:
+    return run.test_error_precise_bn
+
+
+def train_loss(run: Run) -> float:
+    return run["train_loss"]
+
+
+COMPUTED: dict[str, Callable[[Run], Any]] = {
+    "test_error": lambda r: r.test_error,
+    "test_error_precise_bn": lambda r: r.test_error_precise_bn,
+    "test_error_batch_stats": lambda r: r.test_error_batch_stats,
+    "run_dir": lambda r: r.run_dir.name,  # its folder inside the sweep dir: no machine paths
+    "outside_training_s": lambda r: r["wall_time_s"] - r["train_time_s"],
+}
+"""The values a run's summary.json does not hold as they are reported."""
+
+
+def steps_to(run: Run, accuracy: float) -> float:
+    """The first optimizer step at which the run's validation accuracy is at least
+    ``accuracy`` (evaluated steps only: ``trainer.eval_every`` sets their spacing); nan if
+    it never gets there."""
+    for step, acc in run.val_curve:
+        if acc >= accuracy:
+            return float(step)
+    return math.nan
+
+
+def write_csv(
+    runs: Iterable[Run], columns: Iterable[str], path: Path, order: Callable, value=None
+) -> None:
+    """results.csv: one row per run in ``order``, its ``columns`` as ``value(run, key)``
+    reads them (default :meth:`Run.value`)."""
+    columns = list(columns)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for run in sorted(runs, key=order):
+            writer.writerow(
+                run.row(columns) if value is None else {k: value(run, k) for k in columns}
+            )
 
 
 @dataclass
@@ -183,9 +224,7 @@ TEXT_COLUMNS = {GROUP, "parallel", "git_commit", "run_dir"}
 
 def runs_from_csv(path: Path) -> list[Run]:
     """The runs of a committed results.csv (a report's, without their curves): a study whose
-    run dirs are gone can still be compared with."""
-    import csv
-
+    run dirs are gone can still be compared with, and its report written again."""
     if not Path(path).is_file():
         raise UserError(f"{path} is not a file; pass a results.csv that make report wrote")
 

@@ -13,24 +13,15 @@ import math
 import statistics
 from collections.abc import Callable
 
-from syncbn_lab.report.collect import Run, series
-from syncbn_lab.report.stats import Paired, by_seed, mean_std, paired
-from syncbn_lab.report.study import SMALL_BATCH, Study, per_sample, test_error
-from syncbn_lab.report.tables import fmt, fmt_p, fmt_paired, table_row
+from syncbn_lab.report.collect import Run, series, steps_to, test_error
+from syncbn_lab.report.stats import Paired, by_seed, difference_noise, mean_std, paired
+from syncbn_lab.report.study import SMALL_BATCH, Study, per_sample
+from syncbn_lab.report.text import fmt, fmt_p, fmt_paired, table_head, table_row
+from syncbn_lab.report.verdicts import outcome
 from syncbn_lab.variants import GROUP
 
 THRESHOLDS = (85.0, 88.0, 90.0)
 """Validation accuracies (%) whose first crossing the convergence table reports."""
-
-
-def steps_to(run: Run, accuracy: float) -> float:
-    """The first optimizer step at which the run's validation accuracy is at least
-    ``accuracy`` (evaluated steps only: ``trainer.eval_every`` sets their spacing); nan if
-    it never gets there."""
-    for step, acc in run.val_curve:
-        if acc >= accuracy:
-            return float(step)
-    return math.nan
 
 
 def steps_reached(values: list[float], total: int) -> str:
@@ -63,10 +54,12 @@ def speed_section(study: Study) -> list[str]:
         )  # fmt: skip
         + "The last column is the last epoch's training loss (its mean over the epoch).",
         "",
-        "| variant | images per device | "
-        + " | ".join(f"steps to {t:g} %" for t in THRESHOLDS)
-        + " | final training loss |",
-        "|---|---|" + "---|" * (len(THRESHOLDS) + 1),
+        *table_head(
+            "variant",
+            "images per device",
+            *(f"steps to {t:g} %" for t in THRESHOLDS),
+            "final training loss",
+        ),
     ]
     for (variant, batch), members in sorted(
         study.cells.items(), key=lambda c: (study.variants.index(c[0][0]), -c[0][1])
@@ -127,9 +120,16 @@ def batch_stats_section(study: Study) -> list[str]:
         "normalisation batch normalised with its own statistics (Wu & Johnson 2021, §4). "
         "Test error (%), mean ± std; Δ against EMA paired by seed.",
         "",
-        "| images per device | EMA | PreciseBN | test-batch statistics | PreciseBN − EMA (pp) "
-        "| p | test-batch − EMA (pp) | p |",
-        "|---|---|---|---|---|---|---|---|",
+        *table_head(
+            "images per device",
+            "EMA",
+            "PreciseBN",
+            "test-batch statistics",
+            "PreciseBN − EMA (pp)",
+            "p",
+            "test-batch − EMA (pp)",
+            "p",
+        ),
         *rows,
     ]
 
@@ -144,7 +144,7 @@ def accumulation_section(study: Study) -> list[str]:
     """Runs that accumulate gradients over K micro-batches on one device against the
     baseline on K emulated devices: the same normalisation batch (and, in exact arithmetic,
     the same training; docs/parallel.md), paired by seed."""
-    noise = math.sqrt(2) * study.floor.std if study.floor else math.nan
+    noise = difference_noise(study.floor.std) if study.floor else math.nan
     rows = []
     for (name, b), members in sorted(study.cells.items(), key=lambda c: -c[0][1]):
         if name != series({GROUP: study.baseline, "accumulate": 2}):
@@ -180,9 +180,17 @@ def accumulation_section(study: Study) -> list[str]:
         "against the noise of a difference of two runs"
         + (f" ({noise:.2f} pp)." if noise > 0 else "."),
         "",
-        "| images per micro-batch | K | accumulated (%) | K devices (%) | Δ error (pp) | p | "
-        "Δ / noise | Δ final training loss | p |",
-        "|---|---|---|---|---|---|---|---|---|",
+        *table_head(
+            "images per micro-batch",
+            "K",
+            "accumulated (%)",
+            "K devices (%)",
+            "Δ error (pp)",
+            "p",
+            "Δ / noise",
+            "Δ final training loss",
+            "p",
+        ),
         *rows,
     ]
 
@@ -233,16 +241,6 @@ def _sample_vs_bn(s: Study, name: str) -> Paired | None:
     return paired(by_seed(members, test_error), by_seed(cell, test_error))
 
 
-def outcome(d: Paired | None, sign: int) -> str:
-    """A claim's outcome in one study: "holds" (significant in its direction), "opposite"
-    (significant the other way), "not significant", or "not measured"."""
-    if d is None or d.n == 0:
-        return "not measured"
-    if not d.significant:
-        return "not significant"
-    return "holds" if sign * d.mean > 0 else "opposite"
-
-
 def survival_section(study: Study, earlier: Study, earlier_name: str) -> list[str]:
     """Each claim, computed the same way in ``earlier`` (a shorter study of the same grid)
     and in ``study``, with its outcome in each (:func:`outcome`) and whether it changed."""
@@ -254,9 +252,16 @@ def survival_section(study: Study, earlier: Study, earlier_name: str) -> list[st
         "t-test p) made the same way in both studies; its outcome is significant (p < 0.05) "
         "in the stated direction (holds), significant the other way (opposite), or neither.",
         "",
-        f"| claim | {earlier_name}: Δ (pp) | p | outcome | this study: Δ (pp) | p | outcome "
-        "| at convergence |",
-        "|---|---|---|---|---|---|---|---|",
+        *table_head(
+            "claim",
+            f"{earlier_name}: Δ (pp)",
+            "p",
+            "outcome",
+            "this study: Δ (pp)",
+            "p",
+            "outcome",
+            "at convergence",
+        ),
     ]
     for claim, compute in claims(study):
         before, after = compute(earlier), compute(study)

@@ -1,117 +1,71 @@
-"""The normalisation-batch study's report (``sweep.report: normalization_batch``, e.g.
-experiment=nbs_256): at a fixed global batch, test error against the number of images one
-BatchNorm layer normalises over, and whether SyncBN over groups of devices gives what
-per-device BN gives at the same normalisation batch.
+"""The normalisation-batch study's report (``sweep.report.writer: normalization_batch``,
+e.g. experiment=nbs_256): at a fixed global batch, test error against the number of images
+one BatchNorm layer normalises over, and whether the reference variant over groups of devices
+(SyncBN) gives what the baseline (per-device BN) gives at the same normalisation batch.
 
-Every comparison is paired by seed (runs of one seed share the initialisation and the data
-order) and stated with its p and its noise; a claim is "holds", "does not hold", or "not yet"
-while the runs it needs are missing. The cells are what the sweep declared (its sweep.json),
-so a sweep still running or resumed on another machine renders with its unfinished cells
-marked.
+The cells and the two questions' pairs are the experiment's declaration
+(``comparisons.whole_batch``: each baseline cell against the whole batch;
+``comparisons.same_batch`` and ``same_devices``: each group cell against the baseline at its
+normalisation batch and at its device count). What is this study's own is here: the U fit in
+the normalisation batch, the regulariser's signature, what more seeds would buy. A claim is
+"holds", "does not hold", or "not yet" while the runs it needs are missing; the cells are
+what the sweep declared, so a sweep still running renders with its unfinished cells marked.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import statistics
-from collections import defaultdict
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
-from typing import Any
 
-from syncbn_lab.archive import read_attempts
-from syncbn_lab.report.collect import Run, collect_failures, collect_runs
-from syncbn_lab.report.convergence import THRESHOLDS, steps_reached, steps_to
+from syncbn_lab.report import header
+from syncbn_lab.report.cells import Cell, Cells
+from syncbn_lab.report.collect import steps_to, train_loss
+from syncbn_lab.report.comparisons import cell_table
+from syncbn_lab.report.convergence import THRESHOLDS, steps_reached
 from syncbn_lab.report.papers import papers
-from syncbn_lab.report.stats import ALPHA, Paired, by_seed, mean_std, paired
-from syncbn_lab.report.tables import fmt, fmt_p, fmt_paired, table_row
-from syncbn_lab.variants import GROUP, VARIANTS
+from syncbn_lab.report.plots import log2_axis, save, subplots
+from syncbn_lab.report.source import Source
+from syncbn_lab.report.stats import ALPHA, difference_noise, mean_std
+from syncbn_lab.report.text import fmt_p, fmt_paired, sentence, table_head, table_row
+from syncbn_lab.report.verdicts import NOT_YET, against_noise, holds, reaches
+from syncbn_lab.variants import GROUP, with_role
 
-BASELINE = "baseline"
-"""The role (syncbn_lab.variants) of the variant whose normalisation batch the device count
-sets: per-device BN; the other variants' cells are set against its."""
 PHASES = ("validation", "test", "precise_bn", "test_batch_stats", "checkpoints", "logging")
 """summary.json's time_<phase>_s fields: the time a run spends outside its training steps."""
-CSV_COLUMNS = (GROUP, "devices", "normalization_batch_size", "per_device_batch_size", "seed",
-               "test_error", "test_error_precise_bn", "test_error_batch_stats", "train_loss",
-               *(f"steps_to_{t:g}" for t in THRESHOLDS), "steps", "wall_time_s",
-               "train_time_s", "outside_training_s", "cpu_model", "cpu_isa", "precision",
-               "training_code", "git_commit", "run_dir")  # fmt: skip
-
-
-@dataclass(frozen=True, order=True)
-class Cell:
-    """One cell of the study: a variant on a number of devices, normalising over
-    ``normalization_batch`` images."""
-
-    normalization_batch: int
-    variant: str
-    devices: int
-
-    @property
-    def baseline(self) -> bool:
-        spec = VARIANTS.get(self.variant)
-        return spec is not None and spec.role == BASELINE
-
-    def label(self, global_batch: int) -> str:
-        if self.baseline or self.normalization_batch == global_batch:
-            return f"{self.variant}, {self.devices} device{'s' * (self.devices > 1)}"
-        group = self.normalization_batch * self.devices // global_batch
-        return f"{self.variant} in groups of {group}, {self.devices} devices"
-
-
-def cell_of(summary: dict[str, Any]) -> Cell:
-    return Cell(summary["normalization_batch_size"], summary[GROUP], summary["devices"])
-
-
-def declared(sweep_dir: Path) -> dict[Cell, list[int]]:
-    """Every cell the sweep declared (its sweep.json: the grid and the parts) with its seeds,
-    each job composed as its run composes it."""
-    return _declared((sweep_dir / "sweep.json").read_text())
-
-
-@cache
-def _declared(record_text: str) -> dict[Cell, list[int]]:
-    from syncbn_lab.config import compose, derive
-    from syncbn_lab.multirun import jobs
-    from syncbn_lab.sweep import multirun_overrides
-
-    record = json.loads(record_text)
-    cells: dict[Cell, list[int]] = defaultdict(list)
-    for part in record["parts"]:
-        for job in jobs(multirun_overrides(Path("."), record["experiment"], part["overrides"])):
-            cfg = compose([o for o in job if not o.startswith(("hydra", "skip_finished"))])
-            shape = derive(cfg)
-            cell = Cell(shape.normalization_batch_size, cfg.bn.name, cfg.parallel.devices)
-            cells[cell].append(cfg.trainer.seed)
-    return dict(cells)
+PLOT = "test_error_vs_normalization_batch.png"
+BATCH = "normalization_batch_size"
 
 
 class NormalizationBatchStudy:
-    """The runs of one sweep by cell, with the figures the report states."""
+    """The study's cells (:class:`~.cells.Cells`) with the float32 noise of a difference of
+    two runs and the pairs of its two questions."""
 
-    def __init__(self, runs: list[Run], cells: dict[Cell, list[int]], floor: float):
-        self.runs, self.declared, self.floor = runs, cells, floor
+    def __init__(self, cells: Cells, floor: float):
+        self.cells, self.floor = cells, floor
+        self.noise = difference_noise(floor)
+        runs = cells.runs
         self.global_batch = runs[0]["global_batch_size"] if runs else 0
-        self.by_cell: dict[Cell, list[Run]] = defaultdict(list)
-        for run in runs:
-            self.by_cell[cell_of(run.summary)].append(run)
-        self.bn = sorted(c for c in self.declared if c.baseline)
-        self.whole = max(self.bn, key=lambda c: c.normalization_batch) if self.bn else None
+        whole = cells.spec.comparison("whole_batch")
+        self.bn = cells.select(whole.cells)  # the baseline's cells, the whole batch among them
+        self.whole = next(iter(cells.select(whole.against)), None)
+        self.below_whole = cells.pairs("whole_batch")
+        same_batch, same_devices = (
+            dict(cells.pairs("same_batch")),
+            dict(cells.pairs("same_devices")),
+        )
+        groups = cells.select(cells.spec.comparison("same_batch").cells)
+        self.groups = [(c, same_batch.get(c), same_devices.get(c)) for c in groups]
 
-    def seeds(self, cell: Cell, value=lambda r: r.test_error) -> dict[int, float]:
-        return by_seed(self.by_cell.get(cell, []), value)
-
-    def against(self, cell: Cell, other: Cell, value=lambda r: r.test_error) -> Paired:
-        """``cell`` - ``other``, paired by seed."""
-        return paired(self.seeds(cell, value), self.seeds(other, value))
-
-    def complete(self, *cells: Cell) -> bool:
-        """Every declared seed of ``cells`` has finished."""
-        return all(len(self.by_cell.get(c, [])) >= len(self.declared[c]) for c in cells)
+    def label(self, cell: Cell) -> str:
+        """A baseline cell by its device count; a group cell by its group and device count."""
+        devices, variant = cell["devices"], cell[GROUP]
+        baseline = variant in {v.name for v in with_role("baseline")}
+        if baseline or cell[BATCH] == self.global_batch:
+            return f"{variant}, {devices} device{'s' * (devices > 1)}"
+        group = cell[BATCH] * devices // self.global_batch
+        return f"{variant} in groups of {group}, {devices} devices"
 
 
 @dataclass(frozen=True)
@@ -169,17 +123,18 @@ def u_shape(study: NormalizationBatchStudy) -> tuple[str, Vertex | None]:
     when test error is a U in log normalisation batch, i.e. the quadratic's curvature is
     positive (p < ALPHA) and its minimum's 95 % interval lies inside the swept range,
     excluding both ends."""
-    if len(study.bn) < 3 or not study.complete(*study.bn):
-        return "not yet", None
-    points = [(s, math.log2(c.normalization_batch), e)
-              for c in study.bn for s, e in study.seeds(c).items()]  # fmt: skip
+    cells = study.cells
+    if len(study.bn) < 3 or not cells.complete(*study.bn):
+        return NOT_YET, None
+    points = [(s, math.log2(c[BATCH]), e)
+              for c in study.bn for s, e in cells.seeds(c).items()]  # fmt: skip
     vertex = quadratic_vertex(points)
     if vertex is None:
-        return "not yet", None
-    ends = math.log2(study.bn[0].normalization_batch), math.log2(study.bn[-1].normalization_batch)
+        return NOT_YET, None
+    ends = math.log2(study.bn[0][BATCH]), math.log2(
+        study.bn[-1][BATCH])  # fmt: skip
     inside = ends[0] < vertex.low and vertex.high < ends[1]
-    holds = vertex.c > 0 and vertex.c_p < ALPHA and inside
-    return ("holds" if holds else "does not hold"), vertex
+    return holds(vertex.c > 0 and vertex.c_p < ALPHA and inside), vertex
 
 
 def floor_below_whole(vertex: Vertex) -> str:
@@ -198,52 +153,20 @@ def mde(std_of_difference: float, n: int, power: float = 0.8) -> float:
     return float(t * std_of_difference / math.sqrt(n))
 
 
-def _steps(runs: list[Run], accuracy: float) -> str:
-    """Steps to ``accuracy`` over a cell's runs (convergence.steps_reached); – for none."""
-    return steps_reached([steps_to(r, accuracy) for r in runs], len(runs)) if runs else "–"
-
-
-def _verdict(d: Paired, noise: float) -> str:
-    """A paired difference read: its significance, and its size against the noise of a
-    difference of two float32 runs (``noise``)."""
-    if d.n < 2:
-        return "not yet"
-    beyond = abs(d.mean) > noise
-    if d.significant:
-        return "differs" if beyond else "differs, by less than the noise"
-    return "not significant, beyond the noise" if beyond else "within the noise"
-
-
-def reaches(d: Paired, noise: float) -> str:
-    """Whether a cell reaches another's result: holds when the mean difference is within the
-    noise of a difference, does not hold when it is significant and beyond it, and is
-    undecided otherwise (a gap beyond the noise that the seeds cannot yet resolve)."""
-    if d.n < 2:
-        return "not yet"
-    if abs(d.mean) <= noise:
-        return "holds"
-    return "does not hold" if d.significant else "undecided (more seeds)"
-
-
-def render(
-    study: NormalizationBatchStudy,
-    title: str,
-    meta: dict[str, Any],
-) -> str:
+def markdown(source: Source, study: NormalizationBatchStudy) -> str:
     """The study's README.md."""
-    s, g = study, study.global_batch
-    noise = math.sqrt(2) * s.floor
-    declared_runs = sum(len(v) for v in s.declared.values())
+    s, cells = study, study.cells
+    baseline, reference = with_role("baseline")[0].label, with_role("reference")[0].label
+    declared = sum(len(v) for v in cells.declared.values())
+    by_batch = sorted(cells.declared, key=lambda c: (-c[BATCH], c[GROUP]))
     lines = [
-        f"# {title}",
+        f"# {source.spec.title}",
         "",
-        f"resnet8 on Fashion-MNIST at a global batch of {g}, float32, on emulated devices: "
-        "per-device BatchNorm normalises over the images of one device, SyncBN in groups over "
-        "the images of a group of devices. Each cell is one configuration over seeds; every "
-        "comparison is paired by seed.",
+        f"{header.setting(source)} {sentence(baseline)} normalises over the "
+        f"images of one device, {reference} in groups over the images of a group of devices. "
+        "Each cell is one configuration over seeds; every comparison is paired by seed.",
         "",
-        f"Produced by `{meta['command']}`. {len(s.runs)} of {declared_runs} declared runs "
-        f"finished{meta['missing']}. {meta['code']} {meta['machines']} {meta['time']}",
+        header.provenance(source, declared),
         "",
         "## Test error by normalisation batch",
         "",
@@ -251,54 +174,33 @@ def render(
         "the statistics of test batches of the training normalisation batch; the last "
         "epoch's training loss; mean ± std over the seeds finished (n of those declared).",
         "",
-        table_row("normalisation batch", "cell", "n", "test error, EMA", "PreciseBN",
-                  "test-batch statistics", "final training loss"),
-        table_row(*["---"] * 7),
+        *cell_table(cells, by_batch, [("normalisation batch", lambda c: c[BATCH]),
+                                      ("cell", s.label)]),
+        "",
+        f"![test error against the normalisation batch]({PLOT})",
     ]  # fmt: skip
-    for cell in sorted(s.declared, key=lambda c: (-c.normalization_batch, c.variant)):
-        runs = s.by_cell.get(cell, [])
-        n = f"{len(runs)}/{len(s.declared[cell])}"
-        lines.append(table_row(
-            cell.normalization_batch, cell.label(g), n,
-            _over_seeds([r.test_error for r in runs]),
-            _over_seeds([r.test_error_precise_bn for r in runs]),
-            _over_seeds([r.test_error_batch_stats for r in runs]),
-            _over_seeds([r["train_loss"] for r in runs], digits=4),
-        ))  # fmt: skip
-    lines += ["", f"![test error against the normalisation batch]({PLOT})"]
-    lines += _u_section(s, noise) + _groups_section(s, noise) + _speed_section(s)
-    lines += _seeds_section(s, noise) + _anchors_section(s) + _cost_section(s, meta)
+    lines += _u_section(s, source) + _groups_section(s, reference) + _speed_section(s, by_batch)
+    lines += _seeds_section(s) + _anchors_section() + _cost_section(cells.runs)
     return "\n".join(lines) + "\n"
 
 
-def _over_seeds(values: list[float], digits: int = 2) -> str:
-    """mean ± std over seeds; one seed's value alone (it has no spread to state)."""
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f} (one seed)"
-    return fmt(*mean_std(values), digits=digits)
-
-
-def _u_section(s: NormalizationBatchStudy, noise: float) -> list[str]:
+def _u_section(s: NormalizationBatchStudy, source: Source) -> list[str]:
     verdict, vertex = u_shape(s)
     lines = [
         "",
         "## Does a normalisation batch below the global batch beat the whole batch?",
         "",
-        f"Per-device BN against BN over the whole batch of {s.global_batch} (same seed; "
-        f"Δ test error in pp, the paired t-test; the noise of a difference of two float32 "
-        f"runs is {noise:.2f} pp):",
+        f"{sentence(with_role('baseline')[0].label)} against BN over the whole batch of "
+        f"{s.global_batch}, seed by seed: Δ test error in pp and the paired t-test; "
+        f"{header.noise(source)}.",
         "",
-        table_row("normalisation batch", "Δ test error (pp)", "p", "reading",
-                  "Δ final training loss", "p"),
-        table_row(*["---"] * 6),
+        *table_head("normalisation batch", "Δ test error (pp)", "p", "reading",
+                    "Δ final training loss", "p"),
     ]  # fmt: skip
-    for cell in s.bn:
-        if cell == s.whole:
-            continue
-        d = s.against(cell, s.whole)
-        loss = s.against(cell, s.whole, lambda r: r["train_loss"])
-        lines.append(table_row(cell.normalization_batch, fmt_paired(d), fmt_p(d.p),
-                               _verdict(d, noise), fmt_paired(loss, 4), fmt_p(loss.p)))  # fmt: skip
+    for cell, whole in s.below_whole:
+        d, loss = s.cells.against(cell, whole), s.cells.against(cell, whole, train_loss)
+        lines.append(table_row(cell[BATCH], fmt_paired(d), fmt_p(d.p), against_noise(d, s.noise),
+                               fmt_paired(loss, 4), fmt_p(loss.p)))  # fmt: skip
     lines += ["", f"**A U in the normalisation batch: {verdict}.**"]
     if vertex is not None:
         lines[-1] += (
@@ -306,37 +208,34 @@ def _u_section(s: NormalizationBatchStudy, noise: float) -> list[str]:
             f"seeds as blocks ({vertex.df} residual degrees of freedom): c = {vertex.c:+.3f} "
             f"(p = {fmt_p(vertex.c_p)}), minimum at {2**vertex.at:.1f} images, 95 % interval "
             f"{2**vertex.low:.1f} to {2**vertex.high:.1f} (the swept range is "
-            f"{s.bn[0].normalization_batch} to {s.bn[-1].normalization_batch}). It holds only "
-            "with positive curvature and an interval that excludes both ends."
+            f"{s.bn[0][BATCH]} to {s.bn[-1][BATCH]}). "
+            "It holds only with positive curvature and an interval that excludes both ends."
         )
         if verdict == "holds":
-            floor = floor_below_whole(vertex)
             lines += [
                 "",
-                f"**The U's floor below the whole batch: {floor}.** The fitted minimum lies "
-                f"{vertex.depth:+.2f} ± {vertex.depth_half:.2f} pp (95 % interval) from the "
-                f"fit at the whole batch of {s.whole.normalization_batch}; it is resolved "
-                "only when that interval lies below zero.",
+                f"**The U's floor below the whole batch: {floor_below_whole(vertex)}.** The "
+                f"fitted minimum lies {vertex.depth:+.2f} ± {vertex.depth_half:.2f} pp (95 % "
+                f"interval) from the fit at the whole batch of "
+                f"{s.whole[BATCH]}; it is resolved only when that interval "
+                "lies below zero.",
             ]
-    elif verdict == "not yet":
-        lines[-1] += " The bn cells are not all finished."
-    lines += _signature(s)
-    return lines
+    elif verdict == NOT_YET:
+        lines[-1] += f" The {s.whole[GROUP] if s.whole else 'baseline'} cells are not all finished."
+    return lines + _signature(s)
 
 
 def _signature(s: NormalizationBatchStudy) -> list[str]:
     """The regulariser's signature per normalisation batch: a higher final training loss
     than the whole batch with a test error that is not higher."""
     found = []
-    for cell in s.bn:
-        if cell == s.whole:
-            continue
-        d = s.against(cell, s.whole)
-        loss = s.against(cell, s.whole, lambda r: r["train_loss"])
+    for cell, whole in s.below_whole:
+        d = s.cells.against(cell, whole)
+        loss = s.cells.against(cell, whole, train_loss)
         if d.n < 2:
             continue
         shows = loss.significant and loss.mean > 0 and not (d.significant and d.mean > 0)
-        found.append(f"{cell.normalization_batch}: {'holds' if shows else 'does not hold'}")
+        found.append(f"{cell[BATCH]}: {holds(shows)}")
     if not found:
         return []
     return [
@@ -347,44 +246,38 @@ def _signature(s: NormalizationBatchStudy) -> list[str]:
     ]
 
 
-def _groups_section(s: NormalizationBatchStudy, noise: float) -> list[str]:
-    groups = sorted(c for c in s.declared if not c.baseline)
-    if not groups:
+def _groups_section(s: NormalizationBatchStudy, reference: str) -> list[str]:
+    if not s.groups:
         return []
     lines = [
         "",
-        "## Do SyncBN groups give what BN gives at the same normalisation batch?",
+        f"## Do {reference} groups give what BN gives at the same normalisation batch?",
         "",
-        "Each SyncBN cell against per-device BN at the same normalisation batch (fewer "
+        f"Each {reference} cell against per-device BN at the same normalisation batch (fewer "
         "devices) and at the same device count (a smaller normalisation batch); Δ test error "
         "in pp, paired by seed. It holds when the first difference is within the noise of a "
         "difference of two float32 runs, and does not hold when it is significant and beyond "
         "it.",
         "",
-        table_row("cell", "against", "Δ test error (pp)", "p", "reading"),
-        table_row(*["---"] * 5),
+        *table_head("cell", "against", "Δ test error (pp)", "p", "reading"),
     ]
     verdicts = []
-    for cell in groups:
-        same_batch = next((c for c in s.bn if c.normalization_batch == cell.normalization_batch),
-                          None)  # fmt: skip
-        same_devices = next((c for c in s.bn if c.devices == cell.devices), None)
+    for cell, same_batch, same_devices in s.groups:
         for other in (same_batch, same_devices):
-            if other is None:
-                continue
-            d = s.against(cell, other)
-            lines.append(table_row(cell.label(s.global_batch), other.label(s.global_batch),
-                                   fmt_paired(d), fmt_p(d.p), _verdict(d, noise)))  # fmt: skip
+            if other is not None:
+                d = s.cells.against(cell, other)
+                lines.append(table_row(s.label(cell), s.label(other), fmt_paired(d),
+                                       fmt_p(d.p), against_noise(d, s.noise)))  # fmt: skip
         if same_batch is not None:
-            d = s.against(cell, same_batch)
-            verdict = reaches(d, noise) if s.complete(cell, same_batch) else "not yet"
-            verdicts.append(f"{cell.label(s.global_batch)}: **{verdict}**")
-    return lines + ["", "SyncBN groups reach BN at the same normalisation batch: "
+            d = s.cells.against(cell, same_batch)
+            verdict = reaches(d, s.noise) if s.cells.complete(cell, same_batch) else NOT_YET
+            verdicts.append(f"{s.label(cell)}: **{verdict}**")
+    return lines + ["", f"{reference} groups reach BN at the same normalisation batch: "
                     + "; ".join(verdicts) + "."]  # fmt: skip
 
 
-def _speed_section(s: NormalizationBatchStudy) -> list[str]:
-    gaps = [b - a for r in s.runs
+def _speed_section(s: NormalizationBatchStudy, by_batch: list[Cell]) -> list[str]:
+    gaps = [b - a for r in s.cells.runs
             for (a, _), (b, _) in zip(r.val_curve, r.val_curve[1:], strict=False)]  # fmt: skip
     every = ""
     if gaps:
@@ -398,40 +291,44 @@ def _speed_section(s: NormalizationBatchStudy) -> list[str]:
         + " (mean ± std over the seeds that reach it)."
         + every,
         "",
-        table_row("normalisation batch", "cell", *(f"steps to {t:g} %" for t in THRESHOLDS)),
-        table_row(*["---"] * (2 + len(THRESHOLDS))),
+        *table_head("normalisation batch", "cell", *(f"steps to {t:g} %" for t in THRESHOLDS)),
     ]
-    for cell in sorted(s.declared, key=lambda c: (-c.normalization_batch, c.variant)):
-        runs = s.by_cell.get(cell, [])
-        lines.append(table_row(cell.normalization_batch, cell.label(s.global_batch),
-                               *(_steps(runs, t) for t in THRESHOLDS)))  # fmt: skip
+    for cell in by_batch:
+        runs = s.cells.by_cell.get(cell, [])
+        steps = [steps_reached([steps_to(r, t) for r in runs], len(runs)) if runs else "–"
+                 for t in THRESHOLDS]  # fmt: skip
+        lines.append(table_row(cell[BATCH], s.label(cell), *steps))
     return lines
 
 
-def _seeds_section(s: NormalizationBatchStudy, noise: float) -> list[str]:
-    differences = [d.std for cell in s.bn if cell != s.whole
-                   for d in [s.against(cell, s.whole)] if d.n > 1]  # fmt: skip
+def _seeds_section(s: NormalizationBatchStudy) -> list[str]:
+    differences = [d.std for cell, whole in s.below_whole
+                   for d in [s.cells.against(cell, whole)] if d.n > 1]  # fmt: skip
     measured = statistics.fmean(differences) if differences else math.nan
     lines = [
         "",
         "## What more seeds would buy",
         "",
         "The smallest mean paired difference the t-test at 5 % finds with 80 % power, by "
-        f"seeds: for two runs that differ by float32 noise alone ({noise:.2f} pp a difference) "
-        "and for this study's measured spread of paired differences against the whole batch"
-        + (f" ({measured:.2f} pp, mean over the bn cells)" if not math.isnan(measured) else "")
+        f"seeds: for two runs that differ by float32 noise alone ({s.noise:.2f} pp a "
+        "difference) and for this study's measured spread of paired differences against the "
+        "whole batch"
+        + (
+            f" ({measured:.2f} pp, mean over the {s.whole[GROUP]} cells)"
+            if not math.isnan(measured)
+            else ""
+        )
         + ".",
         "",
-        table_row("seeds", "float32 noise alone (pp)", "measured spread (pp)"),
-        table_row(*["---"] * 3),
+        *table_head("seeds", "float32 noise alone (pp)", "measured spread (pp)"),
     ]
     for n in (4, 8, 16):
         spread = "–" if math.isnan(measured) else f"{mde(measured, n):.2f}"
-        lines.append(table_row(n, f"{mde(noise, n):.2f}", spread))
+        lines.append(table_row(n, f"{mde(s.noise, n):.2f}", spread))
     return lines
 
 
-def _anchors_section(s: NormalizationBatchStudy) -> list[str]:
+def _anchors_section() -> list[str]:
     keys = ("goyal_per_worker_bn", "rethinking_batch", "ghost_noise", "ghost_batch")
     known = papers()
     lines = ["", "## Anchors", "",
@@ -446,12 +343,12 @@ def _anchors_section(s: NormalizationBatchStudy) -> list[str]:
     return lines
 
 
-def _cost_section(s: NormalizationBatchStudy, meta: dict[str, Any]) -> list[str]:
-    wall = sum(r["wall_time_s"] for r in s.runs)
+def _cost_section(runs) -> list[str]:
+    wall = sum(r["wall_time_s"] for r in runs)
     if not wall:
         return []
-    training = sum(r["train_time_s"] for r in s.runs)
-    shares = {p: sum(r[f"time_{p}_s"] or 0.0 for r in s.runs) / wall for p in PHASES}
+    training = sum(r["train_time_s"] for r in runs)
+    shares = {p: sum(r[f"time_{p}_s"] or 0.0 for r in runs) / wall for p in PHASES}
     other = 1 - training / wall - sum(shares.values())
     parts = ", ".join(f"{p.replace('_', ' ')} {100 * v:.1f} %" for p, v in shares.items())
     return [
@@ -464,119 +361,52 @@ def _cost_section(s: NormalizationBatchStudy, meta: dict[str, Any]) -> list[str]
     ]
 
 
-PLOT = "test_error_vs_normalization_batch.png"
-
-
 def write_plot(study: NormalizationBatchStudy, path: Path) -> None:
-    """Test error against the normalisation batch: each seed's run as a dot, bn's mean ± std
-    as a line, each SyncBN cell as its own marker, and the fitted quadratic where it exists."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Test error against the normalisation batch: each seed's run as a dot, the baseline's
+    mean ± std as a line, each other cell as its own marker, and the fitted quadratic where
+    it exists."""
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(7, 4.4))
-    cells_first = sorted(study.declared, key=lambda c: (not c.baseline, c.variant))
-    variants = list(dict.fromkeys(c.variant for c in cells_first))  # the baseline first
+    cells = study.cells
+    baseline = {v.name for v in with_role("baseline")}
+    fig, ax = subplots(figsize=(7, 4.4))
+    variants = sorted({c[GROUP] for c in cells.declared}, key=lambda v: (v not in baseline, v))
     for variant in variants:
-        cells = sorted(c for c in study.declared if c.variant == variant and study.by_cell.get(c))
-        if not cells:
+        found = [c for c in cells.select({GROUP: variant}) if cells.by_cell.get(c)]
+        if not found:
             continue
-        xs = [c.normalization_batch for c in cells]
-        stats = [mean_std(r.test_error for r in study.by_cell[c]) for c in cells]
-        style = "-o" if cells[0].baseline else "D"
-        label = variant if cells[0].baseline else cells[0].label(study.global_batch)
-        line = ax.errorbar(xs, [m for m, _ in stats], yerr=[s for _, s in stats], fmt=style,
-                           capsize=3, label=f"{label} (mean ± std)")  # fmt: skip
-        for c in cells:
-            errors = [r.test_error for r in study.by_cell[c]]
-            ax.plot([c.normalization_batch] * len(errors), errors, ".", alpha=0.4,
+        xs = [c[BATCH] for c in found]
+        stats = [mean_std(r.test_error for r in cells.by_cell[c]) for c in found]
+        label = variant if variant in baseline else study.label(found[0])
+        line = ax.errorbar(xs, [m for m, _ in stats], yerr=[sd for _, sd in stats],
+                           fmt="-o" if variant in baseline else "D", capsize=3,
+                           label=f"{label} (mean ± std)")  # fmt: skip
+        for c in found:
+            errors = [r.test_error for r in cells.by_cell[c]]
+            ax.plot([c[BATCH]] * len(errors), errors, ".", alpha=0.4,
                     color=line[0].get_color())  # fmt: skip
     verdict, vertex = u_shape(study)
     if vertex is not None:
-        x = np.linspace(math.log2(study.bn[0].normalization_batch),
-                        math.log2(study.bn[-1].normalization_batch), 100)  # fmt: skip
+        ends = [math.log2(c[BATCH]) for c in (study.bn[0], study.bn[-1])]
+        x = np.linspace(*ends, 100)
         curve = lambda x: vertex.b * x + vertex.c * x**2  # noqa: E731
         offset = statistics.fmean(  # the seeds' mean intercept
-            e - curve(math.log2(c.normalization_batch))
-            for c in study.bn for e in study.seeds(c).values()
+            e - curve(math.log2(c[BATCH]))
+            for c in study.bn for e in cells.seeds(c).values()
         )  # fmt: skip
         ax.plot(2**x, offset + curve(x), ":", color="grey",
                 label=f"quadratic fit, seeds as blocks (U: {verdict})")  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ticks = sorted({c.normalization_batch for c in study.declared})
-    ax.set_xticks(ticks, [str(t) for t in ticks])
+    log2_axis(ax, sorted({c[BATCH] for c in cells.declared}))
     ax.set_xlabel(f"images per normalisation batch (global batch {study.global_batch})")
     ax.set_ylabel("test error (%)")
-    ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
-def outside_training(run: Run) -> float:
-    return run["wall_time_s"] - run["train_time_s"]
-
-
-def write_csv(study: NormalizationBatchStudy, path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, CSV_COLUMNS)
-        writer.writeheader()
-        for run in sorted(study.runs, key=lambda r: (cell_of(r.summary), r["seed"])):
-            row = {k: run[k] for k in CSV_COLUMNS}
-            row.update(
-                test_error=run.test_error,
-                test_error_precise_bn=run.test_error_precise_bn,
-                test_error_batch_stats=run.test_error_batch_stats,
-                outside_training_s=outside_training(run),
-                run_dir=run.run_dir.name,
-            )
-            row.update({f"steps_to_{t:g}": steps_to(run, t) for t in THRESHOLDS})
-            writer.writerow(row)
-
-
-def describe(runs: list[Run], sweep_dir: Path, wall_time_s: float | None) -> dict[str, str]:
-    """The report's sentences on code, machines and time."""
-    codes = sorted({r["training_code"] or "?" for r in runs})
-    commits = sorted({(r["git_commit"] or "?")[:7] for r in runs})
-    code = (f"One training code (`training_code` {codes[0]}; commits {', '.join(commits)})."
-            if len(codes) == 1 else
-            f"**{len(codes)} training codes** ({', '.join(codes)}): the runs did not all "
-            "train with the same code.")  # fmt: skip
-    machines: dict[str, int] = defaultdict(int)
-    for r in runs:
-        machines[f"{r['cpu_model']} ({r['cpu_isa']}, {r['precision']})"] += 1
-    attempts = read_attempts(sweep_dir)
-    attempted = f" in {len(attempts)} attempt(s) of the sweep" if attempts else ""
-    time = ""
-    if wall_time_s:
-        time = f"The sweep took {wall_time_s / 60:.0f} min of wall time{attempted}."
-    return {
-        "code": code,
-        "machines": "Machines: " + "; ".join(f"{m}: {n} runs" for m, n in machines.items()) + ".",
-        "time": time,
-    }
-
-
-def write_nbs_report(
-    sweep_dir: Path, out_dir: Path, title: str, wall_time_s: float | None, floor: float,
-    command: str,
-) -> list[Run]:  # fmt: skip
-    """README.md and results.csv of the normalisation-batch sweep in ``sweep_dir``."""
-    runs = collect_runs(sweep_dir)
-    # a run stopped by a signal (its machine going away) is no failure: it runs again on resume
-    failures = [f for f in collect_failures(sweep_dir) if f["reason"] != "preempted"]
-    study = NormalizationBatchStudy(runs, declared(sweep_dir), floor)
-    missing = sum(len(v) for v in study.declared.values()) - len(runs)
-    meta = {
-        "command": command,
-        "missing": (f"; {missing} not yet ({len(failures)} failed)" if missing else ""),
-        **describe(runs, sweep_dir, wall_time_s),
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
+def write(source: Source, out_dir: Path) -> list[str]:
+    """README.md, results.csv and the plot of the normalisation-batch study."""
+    cells = source.cells()
+    study = NormalizationBatchStudy(cells, source.noise["test_error"].std)
     write_plot(study, out_dir / PLOT)
-    (out_dir / "README.md").write_text(render(study, title, meta))
-    write_csv(study, out_dir / "results.csv")
-    return runs
+    (out_dir / "README.md").write_text(markdown(source, study))
+    return ["README.md", PLOT, *source.write_results(out_dir, cells)]

@@ -1,6 +1,8 @@
-"""The report's PNG plots: test error against the per-device and the normalisation batch,
-the training-loss and validation-error curves per per-device batch, and, at a glance, test
-error and the steps to reach a validation accuracy against images per device."""
+"""The reports' PNG plots and their one style (:func:`subplots`, :func:`log2_axis`,
+:func:`save`): for the variants study, test error against the per-device and the
+normalisation batch, the training-loss and validation-error curves per per-device batch, and,
+at a glance, test error and the steps to reach a validation accuracy against images per
+device."""
 
 from __future__ import annotations
 
@@ -22,13 +24,50 @@ X_AXES = {
 
 ZOOM_FROM = 2
 """The right panel of a test-error plot shows per-device batches from this size up."""
+DPI = 110
+PLOTS = (
+    "at_a_glance.png",
+    "test_error_vs_per_device_batch.png",
+    "test_error_vs_normalization_batch.png",
+    "train_loss_curves.png",
+    "val_error_curves.png",
+)
+"""The variants study's plots, in the order its README shows them."""
+
+
+def subplots(*args, **kwargs):
+    """``matplotlib.pyplot.subplots`` drawing to files only (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
+def log2_axis(ax, ticks=None, which: str = "major") -> None:
+    """A log2 x axis whose ticks read as plain numbers (``ticks``: where they are), gridded."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.set_xscale("log", base=2)
+    if ticks is not None:
+        ax.set_xticks(ticks)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.grid(True, which=which, alpha=0.3)
+
+
+def save(fig, path: Path) -> None:
+    """Lay out ``fig``, write it to ``path`` and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
 
 
 def write_plots(runs: list[Run], out_dir: Path, variants: list[str]) -> list[str]:
     """Every plot of ``runs`` into ``out_dir``; their file names."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     names = [_glance_plot(runs, out_dir, variants)] if any(r.val_curve for r in runs) else []
     names += [_error_plot(runs, out_dir, variants, x_axis) for x_axis in X_AXES]
     with_curves = [v for v in variants if _has_curves(v)]
@@ -71,11 +110,10 @@ def _series(runs: list[Run], variants: list[str], x_axis: str):
 
 def _error_plot(runs: list[Run], out_dir: Path, variants: list[str], x_axis: str) -> str:
     """Two panels: every batch on a log error axis, and the zoom on ZOOM_FROM and up."""
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter
 
     plain = FuncFormatter(lambda v, _: f"{v:g}")
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    fig, axes = subplots(1, 2, figsize=(12, 4.4))
     ticks: set[int] = set()
     for panel, ax in enumerate(axes):
         for label, style, xs, means, stds in _series(runs, variants, x_axis):
@@ -98,13 +136,9 @@ def _error_plot(runs: list[Run], out_dir: Path, variants: list[str], x_axis: str
                 capsize=3,
                 label=label,
             )
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted(t for t in ticks if panel == 0 or t >= ZOOM_FROM))
-        ax.xaxis.set_major_formatter(plain)
-        ax.xaxis.set_minor_formatter(NullFormatter())
+        log2_axis(ax, sorted(t for t in ticks if panel == 0 or t >= ZOOM_FROM), which="both")
         ax.invert_xaxis()
         ax.set_xlabel(X_AXES[x_axis])
-        ax.grid(True, which="both", alpha=0.3)
     axes[0].set_yscale("log")
     axes[0].yaxis.set_major_formatter(plain)
     axes[0].yaxis.set_minor_formatter(plain)
@@ -112,10 +146,8 @@ def _error_plot(runs: list[Run], out_dir: Path, variants: list[str], x_axis: str
     axes[0].set_title("all batches (log scale)")
     axes[1].set_title(f"{ZOOM_FROM} images and more (linear scale)")
     axes[1].legend(fontsize=8)
-    fig.tight_layout()
     name = f"test_error_vs_{x_axis.removesuffix('_size')}.png"
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
+    save(fig, out_dir / name)
     return name
 
 
@@ -128,8 +160,6 @@ CURVES = {  # file stem -> (Run attribute, y label, value plotted, log y axis)
 
 def _curves(runs: list[Run], out_dir: Path, variants: list[str], stem: str) -> str | None:
     """One panel per variant: the mean curve over seeds (CURVES[stem]) per per-device batch."""
-    import matplotlib.pyplot as plt
-
     attr, ylabel, value, log = CURVES[stem]
     if not variants or not any(getattr(r, attr) for r in runs):
         return None
@@ -137,7 +167,7 @@ def _curves(runs: list[Run], out_dir: Path, variants: list[str], stem: str) -> s
 
     batches = sorted({r["per_device_batch_size"] for r in runs}, reverse=True)
     color = {b: f"C{i % 10}" for i, b in enumerate(batches)}  # one colour per batch, all panels
-    fig, axes = plt.subplots(1, len(variants), figsize=(5.5 * len(variants), 4), sharey=True)
+    fig, axes = subplots(1, len(variants), figsize=(5.5 * len(variants), 4), sharey=True)
     axes = [axes] if len(variants) == 1 else list(axes)
     for ax, v in zip(axes, variants, strict=True):
         by_batch = defaultdict(list)
@@ -163,21 +193,18 @@ def _curves(runs: list[Run], out_dir: Path, variants: list[str], stem: str) -> s
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     axes[0].set_ylabel(ylabel)
-    fig.tight_layout()
-    fig.savefig(out_dir / f"{stem}.png", dpi=110)
-    plt.close(fig)
+    save(fig, out_dir / f"{stem}.png")
     return f"{stem}.png"
 
 
 def _glance_plot(runs: list[Run], out_dir: Path, variants: list[str]) -> str:
     """Left: test error against images per device, one line per variant (mean ± std over
     seeds); right: the steps to reach the highest of convergence.THRESHOLDS, the same way."""
-    import matplotlib.pyplot as plt
-
-    from syncbn_lab.report.convergence import THRESHOLDS, steps_to
+    from syncbn_lab.report.collect import steps_to
+    from syncbn_lab.report.convergence import THRESHOLDS
 
     accuracy = THRESHOLDS[-1]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    fig, axes = subplots(1, 2, figsize=(12, 4.4))
     measures = (
         (lambda r: r.test_error, "test error (%), mean ± std over seeds"),
         (lambda r: steps_to(r, accuracy), f"steps to {accuracy:g} % validation accuracy"),
@@ -198,14 +225,10 @@ def _glance_plot(runs: list[Run], out_dir: Path, variants: list[str]) -> str:
             if xs and not all(math.isnan(m) for m, _ in points):
                 ax.errorbar(xs, [m for m, _ in points], yerr=[s for _, s in points],
                             fmt="-o", capsize=3, label=v, color=f"C{i % 10}")  # fmt: skip
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+        log2_axis(ax, which="both")
         ax.invert_xaxis()
         ax.set_xlabel(f"images per device ({ZOOM_FROM} and more; global batch fixed)")
         ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "at_a_glance.png", dpi=110)
-    plt.close(fig)
+    save(fig, out_dir / "at_a_glance.png")
     return "at_a_glance.png"

@@ -7,16 +7,13 @@ import math
 from collections import defaultdict
 
 from syncbn_lab.report import stats
-from syncbn_lab.report.collect import series
+from syncbn_lab.report.collect import series, test_error, train_loss
 from syncbn_lab.report.convergence import THRESHOLDS, batch_stats_error, slower
 from syncbn_lab.report.stats import NoiseFloor, by_seed, mean_std, paired
-from syncbn_lab.report.study import SMALL_BATCH, Study, test_error, train_loss
-from syncbn_lab.report.tables import fmt_p, fmt_paired
+from syncbn_lab.report.study import SMALL_BATCH, Study
+from syncbn_lab.report.text import fmt_p, fmt_paired
+from syncbn_lab.report.verdicts import holds as verdict
 from syncbn_lab.variants import GROUP
-
-
-def verdict(holds: bool) -> str:
-    return "holds" if holds else "does not hold"
 
 
 def reading(study: Study) -> list[str]:

@@ -13,6 +13,7 @@ import math
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from syncbn_lab.report.collect import Run
 
@@ -57,6 +58,16 @@ class Paired:
     @property
     def significant(self) -> bool:
         return not math.isnan(self.p) and self.p < ALPHA
+
+    @property
+    def half_interval(self) -> float:
+        """Half the 95 % interval of the mean difference (t with n - 1 degrees of freedom);
+        nan below two pairs."""
+        if self.n < 2:
+            return math.nan
+        from scipy import stats
+
+        return float(stats.t.ppf(0.975, self.n - 1) * self.std / math.sqrt(self.n))
 
 
 def paired(a: dict[int, float], b: dict[int, float]) -> Paired:
@@ -139,6 +150,42 @@ def noise_floor(runs: list[Run], value: Value) -> NoiseFloor:
             f = (ss_dev / df_dev) / (ss_res / df_res)
             p = float(stats.f.sf(f, df_dev, df_res))
     return NoiseFloor(std, df, spread, f, p, len(seeds), len(devices))
+
+
+def difference_noise(std: float) -> float:
+    """The noise of a difference of two runs whose each has the noise ``std``: √2 × std."""
+    return math.sqrt(2) * std
+
+
+NOISE_METRICS = ("test_error", "test_error_precise_bn", "train_loss")
+
+
+def reference_noise(runs: Iterable[Run]) -> dict[str, NoiseFloor] | None:
+    """The float32 noise floor of one run, by metric (:data:`NOISE_METRICS`), from the
+    one-process runs of the reference variant (SyncBN: one model at every device count);
+    None without any."""
+    from syncbn_lab.parallel.modes import mode
+    from syncbn_lab.variants import GROUP, with_role
+
+    reference = {v.name for v in with_role("reference")}
+    runs = [r for r in runs if r[GROUP] in reference and not mode(r["parallel"]).distributed]
+    if not runs:
+        return None
+    return {m: noise_floor(runs, lambda r, m=m: r.value(m)) for m in NOISE_METRICS}
+
+
+def committed_noise(results_csv: Path) -> dict[str, NoiseFloor]:
+    """:func:`reference_noise` of a committed study's results.csv."""
+    from syncbn_lab.report.collect import runs_from_csv
+
+    floors = reference_noise(runs_from_csv(results_csv))
+    if floors is None:
+        from syncbn_lab.errors import UserError
+
+        raise UserError(
+            f"{results_csv} holds no runs of the reference variant to give a noise floor"
+        )
+    return floors
 
 
 def significant_from(deltas: dict[int, Paired]) -> int | None:

@@ -2,7 +2,7 @@
 the float32 noise floor, paired differences and the recovery of BN's loss.
 
 Which variant is the baseline, the synchronised reference or a remedy is each variant's
-``role`` (``syncbn_lab.nn.registry``); nothing here names a variant.
+``role`` (``syncbn_lab.variants.with_role``); nothing here names a variant.
 """
 
 from __future__ import annotations
@@ -12,24 +12,15 @@ from collections import defaultdict
 from functools import cached_property
 
 from syncbn_lab.report import stats
-from syncbn_lab.report.collect import Failure, Run
+from syncbn_lab.report.collect import Failure, Run, test_error, test_error_precise_bn
 from syncbn_lab.report.stats import Paired, by_seed, mean_std, paired
-from syncbn_lab.variants import GROUP, VARIANTS, NormVariant
+from syncbn_lab.variants import GROUP, VARIANTS, with_role
 
 SMALL_BATCH = 8
 """Per-device batches at or below this are where the recovery of BN's loss is measured."""
-
-
-def test_error(run: Run) -> float:
-    return run.test_error
-
-
-def test_error_precise_bn(run: Run) -> float:
-    return run.test_error_precise_bn
-
-
-def train_loss(run: Run) -> float:
-    return run["train_loss"]
+CELLS = (GROUP, "per_device_batch_size")
+"""What names a cell of this study: a series (the variant, or its accumulated runs) and a
+per-device batch (configs/config.yaml's ``sweep.report.cells``)."""
 
 
 def group(runs, *keys: str) -> dict[tuple, list]:
@@ -51,10 +42,6 @@ def per_sample(name: str) -> bool:
     return name in VARIANTS and VARIANTS[name].per_sample
 
 
-def _role(role: str) -> NormVariant | None:
-    return next((v for v in VARIANTS.values() if v.role == role), None)
-
-
 class Study:
     """Emulated (or single-device) ``runs``, real DDP ``ddp`` runs and the ``failures`` of a
     sweep, with the figures the tables and the reading quote."""
@@ -62,20 +49,19 @@ class Study:
     def __init__(self, runs: list[Run], ddp: list[Run], failures: list[Failure]):
         self.runs, self.ddp, self.failures = runs, ddp, failures
         self.variants = variant_order(runs)
-        self.baseline = _role("baseline").name  # per-device BN
-        self.reference = _role("reference").name  # SyncBN
-        remedies = [v for v in VARIANTS.values() if v.role == "remedy"]
+        self.baseline = with_role("baseline")[0].name  # per-device BN
+        self.reference = with_role("reference")[0].name  # SyncBN
+        remedies = with_role("remedy")
         self.batch_remedies = [v for v in remedies if not v.per_sample]
         self.sample_remedies = [v for v in remedies if v.per_sample]
-        self.cells = group(runs, GROUP, "per_device_batch_size")
-        self.failed_cells = group(failures, GROUP, "per_device_batch_size")
+        self.cells = group(runs, *CELLS)
+        self.failed_cells = group(failures, *CELLS)
         batches = {r["per_device_batch_size"] for r in runs if not per_sample(r[GROUP])}
         batches |= {f["per_device_batch_size"] for f in failures if f[GROUP] in self.variants}
         self.batches = sorted((b for b in batches if isinstance(b, int)), reverse=True)
         self.per_sample_runs = [r for r in runs if per_sample(r[GROUP])]
-        sync = [r for r in runs if r[GROUP] == self.reference]
-        self.floor = stats.noise_floor(sync, test_error) if sync else None
-        self.loss_floor = stats.noise_floor(sync, train_loss) if sync else None
+        floors = stats.reference_noise(runs) or {}
+        self.floor, self.loss_floor = floors.get("test_error"), floors.get("train_loss")
         base_batches = [b for b in self.batches if self.cells.get((self.baseline, b))]
         self.largest = base_batches[0] if base_batches else None
         self.smallest_batch = self.batches[-1] if self.batches else None

@@ -6,36 +6,18 @@ import math
 
 from syncbn_lab.report.collect import Failure, Run
 from syncbn_lab.report.papers import papers
-from syncbn_lab.report.stats import Paired, mean_std
+from syncbn_lab.report.stats import difference_noise, mean_std
 from syncbn_lab.report.study import SMALL_BATCH, Study, group, per_sample
+from syncbn_lab.report.text import fmt, fmt_p, fmt_paired, table_head, table_row
 from syncbn_lab.variants import GROUP, VARIANTS
-
-
-def fmt(mean: float, std: float, digits: int = 2) -> str:
-    if math.isnan(mean):
-        return "–"
-    return f"{mean:.{digits}f} ± {std:.{digits}f}"
-
-
-def fmt_p(p: float) -> str:
-    return "–" if math.isnan(p) else f"{p:.2g}"
-
-
-def fmt_paired(d: Paired, digits: int = 2) -> str:
-    """A paired difference as mean ± std over seeds; one seed's difference alone (it has no
-    spread to state)."""
-    if d.n == 0:
-        return "–"
-    if d.n == 1:
-        return f"{d.mean:+.{digits}f} (one seed)"
-    return f"{d.mean:+.{digits}f} ± {d.std:.{digits}f}"
 
 
 def error_table(study: Study) -> list[str]:
     shown = [v for v in study.variants if not per_sample(v)]
     lines = ["", "## Test error (%), mean ± std over seeds", ""]
-    header = "| images per device | " + " | ".join(f"{v} (EMA) | {v} (PreciseBN)" for v in shown)
-    lines += [header + " |", "|" + "---|" * (1 + 2 * len(shown))]
+    lines += table_head(
+        "images per device", *(f"{v} ({stats})" for v in shown for stats in ("EMA", "PreciseBN"))
+    )
     for b in study.batches:
         row = [str(b)]
         for v in shown:
@@ -43,7 +25,7 @@ def error_table(study: Study) -> list[str]:
             note = missing_note(study.failed_cells.get((v, b), []), bool(members))
             row.append(fmt(*mean_std([r.test_error for r in members])) + note)
             row.append(fmt(*mean_std([r.test_error_precise_bn for r in members])) + note)
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append(table_row(*row))
     counts = sorted({len(m) for (v, _), m in study.cells.items() if not per_sample(v)})
     lines += ["", f"Seeds per cell: {', '.join(map(str, counts))}."]
     for v in study.sample_remedies:
@@ -71,7 +53,7 @@ def noise_section(study: Study) -> list[str]:
         f"deviation of one run ({f.seeds} seeds × {f.device_counts} device counts, "
         f"{f.df} degrees of freedom): **{f.std:.2f} pp** in test error, "
         f"{loss.std:.4f} in the final training loss. A difference of two runs has a noise "
-        f"of √2 × that: {math.sqrt(2) * f.std:.2f} pp.",
+        f"of √2 × that: {difference_noise(f.std):.2f} pp.",
     ]
 
 
@@ -84,17 +66,22 @@ def paired_section(study: Study) -> list[str]:
         "same seed (mean ± std over seeds, percentage points); p from a paired t-test; "
         "the last column sets Δ against the noise of a difference of two runs.",
         "",
-        "| variant | images per device | normalisation batch | n | Δ error (pp) | p | Δ / noise |",
-        "|---|---|---|---|---|---|---|",
+        *table_head(
+            "variant",
+            "images per device",
+            "normalisation batch",
+            "n",
+            "Δ error (pp)",
+            "p",
+            "Δ / noise",
+        ),
     ]
-    noise = math.sqrt(2) * study.floor.std if study.floor else 0.0
+    noise = difference_noise(study.floor.std) if study.floor else 0.0
     for v in study.variants:
         for b, d in study.against_largest(v).items():
             norm = study.cells[(v, b)][0]["normalization_batch_size"]
             ratio = f"{d.mean / noise:+.1f}" if noise > 0 else "–"
-            lines.append(
-                f"| {v} | {b} | {norm} | {d.n} | {fmt_paired(d)} | {fmt_p(d.p)} | {ratio} |"
-            )
+            lines.append(table_row(v, b, norm, d.n, fmt_paired(d), fmt_p(d.p), ratio))
     return lines
 
 
@@ -112,9 +99,18 @@ def recovery_section(study: Study) -> list[str]:
         "remedy is compared, seed by seed, with SyncBN (its remaining loss) and with bn "
         "(what it wins); recovered = 1 − remaining / BN's loss.",
         "",
-        "| images per device | BN's loss (pp) | p | remedy | error (%) | remaining vs sync "
-        "(pp) | p | vs bn (pp) | p | recovered |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        *table_head(
+            "images per device",
+            "BN's loss (pp)",
+            "p",
+            "remedy",
+            "error (%)",
+            "remaining vs sync (pp)",
+            "p",
+            "vs bn (pp)",
+            "p",
+            "recovered",
+        ),
     ]
     return lines + [_recovery_row(row) for row in rows]
 
@@ -131,16 +127,13 @@ def _recovery_row(row: dict) -> str:
 
 def loss_table(study: Study) -> list[str]:
     lines = ["", "## Final training loss (mean over the last epoch), mean ± std", ""]
-    lines += [
-        "| images per device | " + " | ".join(study.variants) + " |",
-        "|" + "---|" * (1 + len(study.variants)),
-    ]
+    lines += table_head("images per device", *study.variants)
     for b in study.batches:
         row = [str(b)]
         for v in study.variants:
             members = study.cells.get((v, b), [])
             row.append(fmt(*mean_std([r["train_loss"] for r in members]), digits=4))
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append(table_row(*row))
     return lines
 
 
@@ -162,17 +155,27 @@ def cost_section(study: Study) -> list[str]:
         "buffers, SyncBN's statistics. A ring all-reduce puts about 2 (N − 1) / N of its "
         "payload on the wire per rank.",
         "",
-        "| bn | ranks | runs | step time (ms) | × bn | bytes per step | gradients | buffers "
-        "| norm statistics | collectives per step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        *table_head(
+            "bn",
+            "ranks",
+            "runs",
+            "step time (ms)",
+            "× bn",
+            "bytes per step",
+            "gradients",
+            "buffers",
+            "norm statistics",
+            "collectives per step",
+        ),
     ]
     order = {v: i for i, v in enumerate(VARIANTS)}
     for (v, d), members in sorted(cells.items(), key=lambda c: (c[0][1], order.get(c[0][0], 9))):
         step = mean_std([r["step_time_s"] for r in members])[0]
-        ratio = f"{step / reference[d]:.2f}" if reference.get(d) else "–"
+        ratio = f"{step / reference[d]:.2f}" if reference.get(d) and not math.isnan(step) else "–"
+        time = "–" if math.isnan(step) else f"{1000 * step:.1f}"
 
         counts = [_per_step(members, f"comm_{kind}per_step") for kind in _COMM_COLUMNS]
-        lines.append(table_row(v, d, len(members), f"{1000 * step:.1f}", ratio, *counts))
+        lines.append(table_row(v, d, len(members), time, ratio, *counts))
     return lines
 
 
@@ -184,11 +187,6 @@ def _per_step(members: list[Run], key: str) -> str:
     """The mean of a per-step count over ``members``, with thousands separators."""
     value = mean_std([r[key] for r in members])[0]
     return "–" if math.isnan(value) else f"{value:,.0f}"
-
-
-def table_row(*cells: object) -> str:
-    """One markdown table row."""
-    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def spot_check_section(study: Study) -> list[str]:
@@ -213,21 +211,32 @@ def spot_check_section(study: Study) -> list[str]:
         "only"
         + (
             f" (one run: {err.std:.2f} pp test error, {loss.std:.4f} final training loss; "
-            f"a difference of two runs: {math.sqrt(2) * err.std:.2f} pp, "
-            f"{math.sqrt(2) * loss.std:.4f})."
+            f"a difference of two runs: {difference_noise(err.std):.2f} pp, "
+            f"{difference_noise(loss.std):.4f})."
             if err
             else "."
         ),
         "",
-        "| bn | devices | seed | test error DDP | emulated | Δ (pp) | Δ / noise | "
-        "train loss DDP | emulated | Δ | Δ / noise | Δ loss at first logged step (rel.) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *table_head(
+            "bn",
+            "devices",
+            "seed",
+            "test error DDP",
+            "emulated",
+            "Δ (pp)",
+            "Δ / noise",
+            "train loss DDP",
+            "emulated",
+            "Δ",
+            "Δ / noise",
+            "Δ loss at first logged step (rel.)",
+        ),
     ]
     for r, twin in pairs:
         d_err = r.test_error - twin.test_error
         d_loss = r["train_loss"] - twin["train_loss"]
-        e_ratio = _ratio(d_err, math.sqrt(2) * err.std) if err else "–"
-        l_ratio = _ratio(d_loss, math.sqrt(2) * loss.std) if loss else "–"
+        e_ratio = _ratio(d_err, difference_noise(err.std)) if err else "–"
+        l_ratio = _ratio(d_loss, difference_noise(loss.std)) if loss else "–"
         errors = (f"{r.test_error:.2f}", f"{twin.test_error:.2f}", f"{d_err:+.2f}", e_ratio)
         losses = (f"{r['train_loss']:.4f}", f"{twin['train_loss']:.4f}", f"{d_loss:+.4f}")
         gap = _first_loss_gap(r, twin)
@@ -256,8 +265,7 @@ def anchors_section(study: Study) -> list[str]:
         "",
         "## Anchors",
         "",
-        "| source | their setting | what they report | what this study shows |",
-        "|---|---|---|---|",
+        *table_head("source", "their setting", "what they report", "what this study shows"),
         f"| {gn_paper['source']} | {gn_paper['setting']} | BN error "
         + " / ".join(f"{e}" for e in paper_bn.values())
         + f" % at {'/'.join(map(str, paper_bn))} images per GPU "
@@ -365,8 +373,7 @@ def missing_section(failures: list[Failure]) -> list[str]:
         "",
         f"**{len(failures)} run(s) failed** and are missing from the tables below:",
         "",
-        "| bn | parallel | devices | images per device | seed | reason | run dir |",
-        "|---|---|---|---|---|---|---|",
+        *table_head("bn", "parallel", "devices", "images per device", "seed", "reason", "run dir"),
     ]
     for f in sorted(failures, key=lambda f: str(f.run_dir)):
         per_device = f["per_device_batch_size"]
@@ -374,9 +381,9 @@ def missing_section(failures: list[Failure]) -> list[str]:
             per_device = f"{per_device:g}"
         reason = f.reason.replace("|", "\\|")
         lines.append(
-            f"| {f[GROUP]} | {f['parallel']} | {f['devices']} | {per_device} | {f['seed']} | "
-            f"{reason} | {f.run_dir.name} |"
-        )
+            table_row(f[GROUP], f["parallel"], f["devices"], per_device, f["seed"], reason,
+                      f.run_dir.name)
+        )  # fmt: skip
     return lines
 
 

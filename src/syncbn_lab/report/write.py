@@ -1,4 +1,6 @@
-"""Write results.csv, README.md (tables, paired tests, the cost table, a reading) and plots.
+"""The variants study's report (``sweep.report.writer: variants``: variants x per-device
+batch, e.g. experiment=bn_vs_syncbn): results.csv, README.md (tables, paired tests, the cost
+table, a reading) and plots.
 
 The figures come from :mod:`~.study`, the tables from :mod:`~.tables`, the reading from
 :mod:`~.reading` and the plots from :mod:`~.plots`; this module puts them in one document.
@@ -6,78 +8,50 @@ The figures come from :mod:`~.study`, the tables from :mod:`~.tables`, the readi
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
+
+from omegaconf import OmegaConf
 
 from syncbn_lab.errors import UserError
 from syncbn_lab.parallel.modes import mode
-from syncbn_lab.report import convergence, tables
-from syncbn_lab.report.collect import (
-    CSV_COLUMNS,
-    Failure,
-    Run,
-    collect_failures,
-    collect_runs,
-    runs_from_csv,
-)
-from syncbn_lab.report.plots import write_plots
+from syncbn_lab.report import convergence, header, tables
+from syncbn_lab.report.collect import Run, runs_from_csv
+from syncbn_lab.report.plots import PLOTS, write_plots
 from syncbn_lab.report.reading import reading
-from syncbn_lab.report.study import Study, variant_order
-from syncbn_lab.variants import GROUP
+from syncbn_lab.report.source import Source
+from syncbn_lab.report.spec import repository
+from syncbn_lab.report.study import CELLS, Study, variant_order
+from syncbn_lab.variants import GROUP, variant
 
-NOTES = "NOTES.md"
-"""Hand-written observations kept next to a report (not regenerated); linked when present."""
 
-
-def write_report(
-    runs: list[Run],
-    out_dir: Path,
-    title: str,
-    sweep_wall_time_s: float | None = None,
-    failures: list[Failure] = (),
-    earlier: tuple[str, list[Run]] | None = None,
-) -> None:
-    """results.csv, README.md and the plots of ``runs`` into ``out_dir``; the cells of
-    ``failures`` are marked missing, with each failed run's one-line reason. ``earlier``:
-    (name, runs) of a shorter study of the same grid, whose claims are set beside these."""
-    _check_normalization_batch(runs)  # before anything is written
-    out_dir.mkdir(parents=True, exist_ok=True)
+def write(source: Source, out_dir: Path) -> list[str]:
+    """results.csv (unless the runs come from one), README.md and the plots of the study;
+    the failed runs' cells marked missing with each one's reason, its claims beside those of
+    the earlier study the experiment names (``sweep.report.compare_with``)."""
+    if source.spec.cells != CELLS:
+        raise UserError(
+            f"the variants report's cells are {', '.join(CELLS)}; experiment="
+            f"{source.spec.experiment} declares {', '.join(source.spec.cells)}"
+        )
+    runs = source.runs
+    _normalization_batch(runs, from_csv=source.csv is not None)  # before anything is written
     one_process = [r for r in runs if not _distributed(r)]
     distributed = [r for r in runs if _distributed(r)]
     main = one_process or runs
-    _write_csv(runs, out_dir / "results.csv")
-    plots = write_plots(main, out_dir, variant_order(main))
-    study = Study(main, distributed if one_process else [], list(failures))
+    written = source.write_results(
+        out_dir, order=lambda r: (r[GROUP], r["parallel"], r["devices"], r["seed"])
+    )
+    drawn = write_plots(main, out_dir, variant_order(main))
+    # plots drawn from run dirs that are gone (their curves) stay linked
+    plots = [p for p in PLOTS if p in drawn or (out_dir / p).is_file()]
+    study = Study(main, distributed if one_process else [], source.failures)
     before = None
-    if earlier is not None:
-        name, earlier_runs = earlier
-        emulated = [r for r in earlier_runs if not _distributed(r)]
-        before = (name, Study(emulated, [], []))
-    text = markdown(study, title, plots, sweep_wall_time_s, before)
-    if (out_dir / NOTES).exists():
-        text += (
-            f"\nHow the study was designed and more observations, by hand: [{NOTES}]({NOTES}).\n"
-        )
-    (out_dir / "README.md").write_text(text)
-
-
-def write_sweep_report(
-    sweep_dirs: list[Path],
-    out_dir: Path,
-    title: str,
-    sweep_wall_time_s: float | None = None,
-    compare_with: Path | None = None,
-) -> tuple[list[Run], list[Failure]]:
-    """:func:`write_report` of every run under ``sweep_dirs``, its failed runs marked missing,
-    beside the claims of the earlier study whose results.csv is ``compare_with``; returns
-    the runs and the failures."""
-    runs = collect_runs(*sweep_dirs)
-    failures = collect_failures(*sweep_dirs)
-    earlier = None
-    if compare_with is not None:
-        earlier = (compare_with.parent.name, runs_from_csv(compare_with))
-    write_report(runs, out_dir, title, sweep_wall_time_s, failures, earlier)
-    return runs, failures
+    if source.spec.compare_with is not None:
+        path = repository() / source.spec.compare_with
+        emulated = [r for r in runs_from_csv(path) if not _distributed(r)]
+        before = (path.parent.name, Study(emulated, [], []))
+    (out_dir / "README.md").write_text(markdown(source, study, plots, before))
+    return ["README.md", *written, *drawn]
 
 
 def _distributed(run: Run) -> bool:
@@ -85,64 +59,33 @@ def _distributed(run: Run) -> bool:
     return mode(run["parallel"]).distributed
 
 
-def _check_normalization_batch(runs: list[Run]) -> None:
+def _normalization_batch(runs: list[Run], from_csv: bool) -> None:
+    """Every run's normalisation batch: a results.csv written before it had the column gives
+    it through each run's variant (its default settings, as a run then computed it); run dirs
+    without it are refused."""
     lacking = [r for r in runs if not isinstance(r["normalization_batch_size"], int)]
-    if lacking:
+    if lacking and not from_csv:
         raise UserError(
             f"{len(lacking)} run(s) have no normalization_batch_size in summary.json (e.g. "
             f"{lacking[0].run_dir}); rerun them with the current code"
         )
-
-
-def _write_csv(runs: list[Run], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        key = lambda r: (r[GROUP], r["parallel"], r["devices"], r["seed"])  # noqa: E731
-        for run in sorted(runs, key=key):
-            writer.writerow(run.row())
-
-
-def machines(runs: list[Run]) -> str:
-    """The CPUs the runs ran on, with the vector ISA and bf16 support they recorded, and
-    how many runs each: what decides their speed and whether bf16 was native."""
-    counts: dict[str, int] = {}
-    for r in runs:
-        if r["cpu_isa"] is None:
-            isa = "ISA not recorded"
-        else:
-            isa = f"{r['cpu_isa']}, bf16 instructions {'yes' if r['cpu_bf16'] else 'no'}"
-        name = f"{r['cpu_model'] or 'unknown CPU'} ({isa})"
-        counts[name] = counts.get(name, 0) + 1
-    return "; ".join(f"{name}: {n} runs" for name, n in counts.items())
+    for r in lacking:
+        r.summary["normalization_batch_size"] = variant(r.summary[GROUP]).normalization_batch_size(
+            OmegaConf.create({}), r["per_device_batch_size"], r["devices"]
+        )
 
 
 def markdown(
-    study: Study,
-    title: str,
-    plots: list[str],
-    wall_time_s: float | None,
-    earlier: tuple[str, Study] | None = None,
+    source: Source, study: Study, plots: list[str], earlier: tuple[str, Study] | None = None
 ) -> str:
     """The whole README.md of ``study`` (and its claims beside ``earlier``'s)."""
-    runs = study.runs + study.ddp
-    any_run = study.runs[0]
-    seeds = sorted({r["seed"] for r in study.runs})
-    commits = sorted({r["git_commit"][:7] for r in runs if r["git_commit"]})
     lines = [
-        f"# {title}",
+        f"# {source.spec.title}",
         "",
-        f"{any_run['model']} on {any_run['dataset']}, global batch "
-        f"{any_run['global_batch_size']}, {len(seeds)} seed(s) "
-        f"({', '.join(map(str, seeds))}), {len(runs)} runs, parallel "
-        f"mode(s): {', '.join(sorted({r['parallel'] for r in runs}))}, "
-        f"precision {', '.join(sorted({r['precision'] or 'fp32' for r in runs}))}, "
-        f"commit {', '.join(commits) or 'unknown'}.",
+        header.setting(source),
         "",
-        f"Machines: {machines(runs)}.",
+        header.provenance(source),
     ]
-    if wall_time_s is not None:
-        lines.append(f"The sweep took {wall_time_s / 60:.1f} minutes of wall time.")
     if study.failures:
         lines += tables.missing_section(study.failures)
     lines += tables.error_table(study)

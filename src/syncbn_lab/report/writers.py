@@ -1,0 +1,53 @@
+"""The one table of report writers: a study's experiment names its writer
+(``sweep.report.writer``), and ``scripts/report.py`` renders every study through it.
+
+Each writer takes the study's :class:`~.source.Source` (its runs, its declaration, how they
+ran) and a folder, writes the report's files there and returns their names; a NOTES.md kept
+in that folder is linked at the end of every README.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from syncbn_lab.errors import UserError
+from syncbn_lab.report import calibration, comparisons, fast, nbs, write
+from syncbn_lab.report.source import Source
+
+NOTES = "NOTES.md"
+"""Hand-written observations kept next to a report (not regenerated); linked when present."""
+
+WRITERS: dict[str, Callable[[Source, Path], list[str]]] = {
+    "variants": write.write,  # variants x per-device batch: bn_vs_syncbn and its kin
+    "normalization_batch": nbs.write,  # the U in the normalisation batch, SyncBN groups
+    "calibration": calibration.write,  # test error against training length: the plateau
+    "arms": fast.write,  # the same cells in two configurations, Holm over the table
+    "cells": comparisons.write,  # the declared cells and comparisons alone
+}
+
+
+def render(source: Source, out_dir: Path) -> list[str]:
+    """The report of ``source`` into ``out_dir`` by the writer its experiment names; the
+    files written."""
+    writer = WRITERS.get(source.spec.writer)
+    if writer is None:
+        raise UserError(
+            f"experiment={source.spec.experiment} names sweep.report.writer="
+            f"{source.spec.writer}; choose one of {', '.join(WRITERS)}"
+        )
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        written = writer(source, out_dir)
+    except Exception:
+        if created and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # a report refused before anything is written leaves nothing
+        raise
+    if (out_dir / NOTES).exists():
+        with open(out_dir / "README.md", "a") as readme:
+            readme.write(
+                f"\nHow the study was designed and more observations, by hand: "
+                f"[{NOTES}]({NOTES}).\n"
+            )
+    return written
