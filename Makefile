@@ -97,6 +97,6 @@ sweep: setup data ## The reproduction on Fashion-MNIST at convergence: bn x devi
 sweep-smoke: setup ## The sweep pipeline at tiny scale (synthetic data, a few steps), with report; RESUME=<dir> too
 	$(PY) scripts/sweep.py $(if $(RESUME),--resume $(RESUME),--smoke --parallel $(PARALLEL) --launcher $(LAUNCHER) $(ARGS))
 
-report: setup ## Rewrite reports/bn_vs_syncbn from the newest make sweep (or SWEEP_DIR=...)
+report: setup ## Rewrite reports/bn_vs_syncbn from the newest make sweep (or SWEEP_DIR=...), as its experiment declares the report
 	@test -n "$(SWEEP_DIR)" || { echo "error: no sweep under multirun/bn_vs_syncbn; run make sweep first"; exit 2; }
-	$(PY) scripts/report.py $(SWEEP_DIR) --wall-time-s $$(cat $(SWEEP_DIR)/wall_time_s 2>/dev/null || echo nan) --compare-with reports/bn_vs_syncbn_1epoch/results.csv
+	$(PY) scripts/report.py $(SWEEP_DIR) --out reports/bn_vs_syncbn
