@@ -31,9 +31,10 @@ from omegaconf import DictConfig, open_dict
 
 from syncbn_lab import models
 from syncbn_lab.bench import Timing, per_call_ms, write_json
-from syncbn_lab.config import RunShape, available_cores, compose, derive, validate
+from syncbn_lab.config import available_cores, compose, derive, validate
 from syncbn_lab.nn.registry import norm_layer
 from syncbn_lab.parallel import Runtime, parallelize
+from syncbn_lab.shape import RunShape
 
 GLOBAL_BATCH = 64
 IMAGE = (1, 28, 28)

@@ -75,6 +75,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from syncbn_lab.checks import positive
 from syncbn_lab.errors import ConfigError, one_line
+from syncbn_lab.variants import GROUP as VARIANT_GROUP
 
 KEY = "noise"
 """The config node of the tool's own keys (configs/bn_noise.yaml)."""
@@ -483,7 +484,7 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
 
     result = {
         "model": OmegaConf.to_container(cfg.model, resolve=True),
-        "bn": cfg.bn.name,
+        VARIANT_GROUP: cfg.bn.name,
         "data": cfg.data.name,
         "heterogeneity": cfg.data.get("heterogeneity", 0.0),
         "source": source,
@@ -597,7 +598,7 @@ def report(result: dict[str, Any]) -> str:
     """The terminal's tables: one row per layer for every b, then one row per b."""
     model = ", ".join(f"{k}={v}" for k, v in result["model"].items())
     lines = [
-        f"BN batch-statistics noise: {model}, bn={result['bn']}, data={result['data']} "
+        f"BN batch-statistics noise: {model}, bn={result[VARIANT_GROUP]}, data={result['data']} "
         f"(heterogeneity {result['heterogeneity']}), {result['source']}",
         f"sample: {result['images']} training images, {result['passes']} passes; test: "
         f"{result['test_images']} images; first layers: {', '.join(result['first_layers'])}",

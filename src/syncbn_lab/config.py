@@ -7,7 +7,6 @@ any process starts or any file is written.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,43 +16,14 @@ import syncbn_lab.resolvers  # noqa: F401 - registers the configs' ${mul:...}
 from syncbn_lab.checks import in_range, positive
 from syncbn_lab.errors import ConfigError
 from syncbn_lab.machine import available_cores, torchrun_env
-from syncbn_lab.parallel.modes import ParallelMode, mode
+from syncbn_lab.parallel.modes import mode
+from syncbn_lab.shape import RunShape
 from syncbn_lab.variants import GROUP as VARIANT_GROUP
 from syncbn_lab.variants import NormVariant, variant
 
-__all__ = ["RunShape", "available_cores", "compose", "derive", "torchrun_env", "validate"]
+__all__ = ["available_cores", "compose", "derive", "torchrun_env", "validate"]
 
 PRECISIONS = ("auto", "fp32", "fp64", "bf16", "fp16")
-
-
-@dataclass(frozen=True)
-class RunShape:
-    """What a run's config implies, computed once (:func:`derive`) and passed explicitly.
-
-    ``devices`` is ``parallel.devices``; ``slices_per_process``: the device slices one
-    process's batch holds (N under emulated and dp, else 1); ``device_slices``: the slices
-    one norm layer normalises apart (N only under emulation); ``normalization_batch_size``:
-    the images one norm layer's statistics span in training. Plain values, so it pickles
-    into spawned DDP ranks.
-    """
-
-    variant: str
-    mode: str
-    devices: int
-    per_device_batch_size: int
-    slices_per_process: int
-    device_slices: int
-    normalization_batch_size: int
-    device: str
-    backend: str | None
-
-    @property
-    def norm_variant(self) -> NormVariant:
-        return variant(self.variant)
-
-    @property
-    def parallel_mode(self) -> ParallelMode:
-        return mode(self.mode)
 
 
 def derive(cfg: DictConfig) -> RunShape:

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from syncbn_lab import models
 from syncbn_lab import run_dir as run_dir_start
-from syncbn_lab.config import RunShape, validate
+from syncbn_lab.config import validate
 from syncbn_lab.engine import checkpoint, precision, preemption, preflight
 from syncbn_lab.engine.compute import memory_format
 from syncbn_lab.engine.loop import Loaders, Trainer, step_counts
@@ -26,18 +26,19 @@ from syncbn_lab.logging import NullLogger, RunLogger
 from syncbn_lab.logging.console import LOG_FILE, log_terminal, result_block
 from syncbn_lab.machine import available_cores, torchrun_env
 from syncbn_lab.nn.registry import norm_layer
-from syncbn_lab.parallel import launch, parallelize
+from syncbn_lab.parallel import parallelize
 from syncbn_lab.parallel.context import Runtime
 from syncbn_lab.parallel.ddp import refuse_torchrun_ranks
+from syncbn_lab.parallel.modes import mode
 from syncbn_lab.parallel.sampling import eval_loader, seed_everything, train_loader
 from syncbn_lab.provenance import cpu_isa, cpu_model, git_commit, training_code
 from syncbn_lab.run_dir import Start, follows_the_run_dir
+from syncbn_lab.shape import RunShape
 from syncbn_lab.variants import GROUP as VARIANT_GROUP
 
 # The code this process trains with, read when it loads it: a sweep's worker process runs the
 # jobs after its first with the modules it imported then, whatever the checkout holds by then.
 LOADED_CODE = {"git_commit": git_commit(), "training_code": training_code()}
-
 
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
@@ -64,7 +65,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         if chosen.finished is not None:
             return chosen.finished
     with preemption.stop_signals():
-        return launch(cfg, shape, worker, run_dir)
+        return mode(shape.mode).launch(cfg, shape, worker, run_dir)
 
 
 def start_in(cfg: DictConfig, run_dir: Path) -> Start:

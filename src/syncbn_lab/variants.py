@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from omegaconf import DictConfig
 
@@ -38,7 +38,13 @@ from syncbn_lab.errors import ConfigError
 if TYPE_CHECKING:
     from torch import nn
 
-    from syncbn_lab.parallel.modes import ParallelMode
+
+class Mode(Protocol):
+    """What a norm variant's checks ask of a parallel mode (``parallel.modes.ParallelMode``)."""
+
+    name: str
+    emulated: bool
+
 
 NormFactory = Callable[[int], "nn.Module"]
 GROUP = "bn"
@@ -79,7 +85,7 @@ class NormVariant:
         """Images whose statistics one norm layer shares in training (default: one device's)."""
         return per_device_batch_size
 
-    def check(self, cfg: DictConfig, mode: ParallelMode, device: str) -> None:
+    def check(self, cfg: DictConfig, mode: Mode, device: str) -> None:
         """This variant's own keys and the combinations it cannot run; one-line ConfigError."""
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from syncbn_lab import models
-from syncbn_lab.config import RunShape, validate
+from syncbn_lab.config import validate
 from syncbn_lab.engine.evaluate import evaluate
 from syncbn_lab.engine.loop import Loaders, Trainer
 from syncbn_lab.engine.optim import build_optimizer
@@ -28,6 +28,7 @@ from syncbn_lab.parallel import Runtime, parallelize
 from syncbn_lab.parallel.bn_buffers import DistributedBNBuffers
 from syncbn_lab.parallel.ddp import launch_ddp
 from syncbn_lab.parallel.sampling import eval_loader
+from syncbn_lab.shape import RunShape
 from syncbn_lab.traffic import TRAFFIC
 
 WORLD = 2

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from syncbn_lab.engine.evaluate import evaluate
 from syncbn_lab.engine.optim import lr_factor
 from syncbn_lab.engine.precise_bn import update_bn_stats
 from syncbn_lab.engine.precision import autocast
+from syncbn_lab.engine.rng import rng_state, set_rng_state
 from syncbn_lab.errors import Diverged, Preempted
 from syncbn_lab.loss import at_least_fp32
 from syncbn_lab.parallel.bn_buffers import BNBuffers
@@ -154,6 +154,14 @@ class Trainer:
         self.every_steps, self.every_s = checkpoint.parse_every(cfg.trainer.get("checkpoint_every"))
         self.last_checkpoint = time.monotonic()
 
+    def position_loader(self) -> None:
+        """Point the training loader at the run's epoch and step: its sampler's order and
+        start, and the dataset's augmentation draws (fit, and the preflight check's batch)."""
+        loader, state = self.loaders.train, self.state
+        loader.batch_sampler.set_epoch(state.epoch, start=state.step_in_epoch * self.accumulate)
+        if hasattr(loader.dataset, "set_epoch"):
+            loader.dataset.set_epoch(state.epoch)
+
     def new_progress(self) -> EpochProgress:
         zeros = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
         return EpochProgress(totals=zeros, window=zeros.clone())
@@ -182,7 +190,7 @@ class Trainer:
         """This process's part of a checkpoint."""
         p = self.progress
         return {
-            "rng": _rng_state(),
+            "rng": rng_state(),
             "buffers": [b.detach().cpu().clone() for b in self.module.buffers()],
             "device_stats": [(d.mean.cpu(), d.var.cpu()) for d in self.device_stats],
             "totals": p.totals.cpu(),
@@ -208,7 +216,7 @@ class Trainer:
             torch.set_rng_state(state["torch_rng"])
             return
         own = ranks[self.rt.rank]
-        _set_rng_state(own["rng"])
+        set_rng_state(own["rng"])
         with torch.no_grad():
             for buffer, saved in zip(self.module.buffers(), own["buffers"], strict=True):
                 buffer.copy_(saved)
@@ -324,9 +332,7 @@ class Trainer:
         while state.epoch < epochs and state.step < self.total_steps:
             epoch = state.epoch
             start = state.step_in_epoch  # > 0 when resumed from a checkpoint within the epoch
-            self.loaders.train.batch_sampler.set_epoch(epoch, start=start * self.accumulate)
-            if hasattr(self.loaders.train.dataset, "set_epoch"):
-                self.loaders.train.dataset.set_epoch(epoch)
+            self.position_loader()
             p = self.progress
             progress = _progress(self.steps_per_epoch, epoch, start, enabled=rt.is_main)
             batches = iter(self.loaders.train)
@@ -353,18 +359,17 @@ class Trainer:
                 p.window_time += elapsed
                 loss, stop, checkpoint_due = self.agree(totals)
                 if not math.isfinite(loss):
-                    self.log({"step": state.step, "lr": lr, "train/loss": loss})
+                    self.log({**_record(state.step, lr=lr), "train/loss": loss})
                     raise Diverged(state.step, loss, lr)
                 if state.step % cfg.log_every == 0:
                     reduced = rt.all_reduce_sum(p.window.clone())
-                    record = {
-                        "step": state.step,
-                        "epoch": epoch + (step_in_epoch + 1) / self.steps_per_epoch,
-                        "lr": lr,
-                        "train/loss": (reduced[0] / reduced[2]).item(),
-                        "train/acc": (100 * reduced[1] / reduced[2]).item(),
-                        "images_per_s": p.window_images / max(p.window_time, 1e-9),
-                    }
+                    record = _record(
+                        state.step,
+                        epoch + (step_in_epoch + 1) / self.steps_per_epoch,
+                        lr,
+                        reduced,
+                        p.window_images / max(p.window_time, 1e-9),
+                    )
                     self.log(record)
                     if progress is not None:
                         progress.set_postfix(
@@ -379,10 +384,7 @@ class Trainer:
                 within = self.dense_epochs is None or epoch < self.dense_epochs
                 within = within and state.step_in_epoch in self.val_steps
                 if within and state.step < self.total_steps:
-                    record = {
-                        "step": state.step,
-                        "epoch": epoch + state.step_in_epoch / self.steps_per_epoch,
-                    }
+                    record = _record(state.step, epoch + state.step_in_epoch / self.steps_per_epoch)
                     val = self.validate(record)
                     self.log(record)
                     if rt.is_main:
@@ -402,16 +404,13 @@ class Trainer:
             self.last_epoch_totals = last_epoch_totals = rt.all_reduce_sum(p.totals.clone())
             self.progress = self.new_progress()
             finished = state.epoch >= epochs or state.step >= self.total_steps
-            record = {
-                "step": state.step,
-                "epoch": state.epoch,
-                "lr": self.optimizer.param_groups[0]["lr"],
-                "train/loss": (last_epoch_totals[0] / last_epoch_totals[2].clamp(min=1)).item(),
-                "train/acc": (
-                    100 * last_epoch_totals[1] / last_epoch_totals[2].clamp(min=1)
-                ).item(),
-                "images_per_s": self.images_seen / max(self.train_time, 1e-9),
-            }
+            record = _record(
+                state.step,
+                state.epoch,
+                self.optimizer.param_groups[0]["lr"],
+                last_epoch_totals,
+                self.images_seen / max(self.train_time, 1e-9),
+            )
             if self._validate_at_epoch_end(state.epoch) or finished:
                 val = self.validate(record)
             self.log(record)
@@ -580,30 +579,28 @@ def _gather(rt: Runtime, obj: Any) -> list[Any]:
     return out
 
 
-def _rng_state() -> dict[str, Any]:
-    """Every random stream of this process, in types ``torch.load(weights_only=True)`` reads.
-    (Augmentation draws need none: they are a function of the batch, see data.image_dataset.)"""
-    import numpy as np
-
-    _, keys, position, has_gauss, gauss = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
-        "python": [list(random.getstate()[1]), random.getstate()[2]],
-        "numpy": [torch.from_numpy(keys.astype("int64")), position, has_gauss, gauss],
-    }
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    words, gauss_next = state["python"]
-    random.setstate((3, tuple(words), gauss_next))
-    keys, position, has_gauss, gauss = state["numpy"]
-    np.random.set_state(("MT19937", keys.numpy().astype("uint32"), position, has_gauss, gauss))
+def _record(
+    step: int,
+    epoch: float | None = None,
+    lr: float | None = None,
+    totals: torch.Tensor | None = None,
+    images_per_s: float | None = None,
+) -> dict[str, Any]:
+    """One metrics.jsonl record: the step, and what is given of the epoch, the learning
+    rate, the training loss and accuracy of ``totals`` (loss sum, correct, images) and the
+    throughput, in that order."""
+    record: dict[str, Any] = {"step": step}
+    if epoch is not None:
+        record["epoch"] = epoch
+    if lr is not None:
+        record["lr"] = lr
+    if totals is not None:
+        images = totals[2].clamp(min=1)
+        record["train/loss"] = (totals[0] / images).item()
+        record["train/acc"] = (100 * totals[1] / images).item()
+    if images_per_s is not None:
+        record["images_per_s"] = images_per_s
+    return record
 
 
 def _epoch_line(record: dict[str, Any]) -> str:

@@ -33,6 +33,7 @@ from torch import nn
 
 from syncbn_lab.engine import compute
 from syncbn_lab.engine.precision import autocast, model_dtype
+from syncbn_lab.engine.rng import rng_state, set_rng_state
 from syncbn_lab.errors import OneLineError
 from syncbn_lab.loss import at_least_fp32
 
@@ -155,11 +156,8 @@ def _failure(reference, configured, images, labels, worst) -> PreflightFailed:
 
 def _first_batch(trainer) -> tuple[torch.Tensor, torch.Tensor]:
     """The first micro-batch the run trains on from here (its epoch and step)."""
-    state, loader = trainer.state, trainer.loaders.train
-    loader.batch_sampler.set_epoch(state.epoch, start=state.step_in_epoch * trainer.accumulate)
-    if hasattr(loader.dataset, "set_epoch"):
-        loader.dataset.set_epoch(state.epoch)
-    images, labels = next(iter(loader))
+    trainer.position_loader()
+    images, labels = next(iter(trainer.loaders.train))
     return images, labels
 
 
@@ -274,12 +272,10 @@ class _untouched:
         self.trainer = trainer
 
     def __enter__(self):
-        from syncbn_lab.engine.loop import _rng_state
-
         t = self.trainer
         self.state = {k: v.detach().clone() for k, v in t.module.state_dict().items()}
         self.device_stats = [(d.mean.clone(), d.var.clone()) for d in t.device_stats]
-        self.rng = _rng_state()
+        self.rng = rng_state()
         return self
 
     def restore(self) -> None:
@@ -292,10 +288,8 @@ class _untouched:
         t.optimizer.zero_grad(set_to_none=True)
 
     def __exit__(self, *exc):
-        from syncbn_lab.engine.loop import _set_rng_state
-
         self.restore()
-        _set_rng_state(self.rng)
+        set_rng_state(self.rng)
         return False
 
 

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from syncbn_lab.logging.console import wandb_lines
 
 if TYPE_CHECKING:
-    from syncbn_lab.config import RunShape
+    from syncbn_lab.shape import RunShape
 
 
 class NullLogger:

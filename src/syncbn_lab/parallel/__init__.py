@@ -1,8 +1,7 @@
 """Parallel modes: single device, an exact emulation of N devices, DDP and DataParallel."""
 
 from syncbn_lab.parallel.context import Runtime
-from syncbn_lab.parallel.launch import launch
 from syncbn_lab.parallel.modes import parallelize
 from syncbn_lab.parallel.wrap import Parallel
 
-__all__ = ["Parallel", "Runtime", "launch", "parallelize"]
+__all__ = ["Parallel", "Runtime", "parallelize"]

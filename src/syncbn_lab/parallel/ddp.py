@@ -42,7 +42,7 @@ from syncbn_lab.machine import available_cores, torchrun_env
 from syncbn_lab.parallel.context import Runtime
 
 if TYPE_CHECKING:
-    from syncbn_lab.config import RunShape
+    from syncbn_lab.shape import RunShape
 
 GRACE_S = 3.0  # after a first failure: time to collect the other ranks' reports
 

@@ -18,9 +18,10 @@ process's batch holds) and ``device_slices`` (the slices one norm layer normalis
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from omegaconf import DictConfig
@@ -33,9 +34,18 @@ from syncbn_lab.parallel.context import Runtime
 from syncbn_lab.parallel.wrap import Parallel
 
 if TYPE_CHECKING:
-    from syncbn_lab.config import RunShape
-    from syncbn_lab.parallel.launch import Worker
-    from syncbn_lab.variants import NormVariant
+    from syncbn_lab.shape import RunShape
+
+
+class Variant(Protocol):
+    """What a parallel mode's checks ask of a norm variant (``variants.NormVariant``)."""
+
+    name: str
+    synchronises: bool
+
+
+Worker = Callable[[Runtime, DictConfig, "RunShape", Path], dict[str, Any]]
+"""Everything one process of a run does (``train.worker``); a mode's ``launch`` runs it."""
 
 GROUP = "parallel"
 DIST_BN = ("none", "broadcast", "reduce")
@@ -65,7 +75,7 @@ class ParallelMode:
         """Device slices one process's batch holds (its loader yields them in order)."""
         return 1
 
-    def check(self, cfg: DictConfig, variant: NormVariant, device: str) -> None:
+    def check(self, cfg: DictConfig, variant: Variant, device: str) -> None:
         """The mode's own keys and impossible combinations, as one-line ConfigErrors."""
         dist_bn = cfg.parallel.get("dist_bn", "none")
         if dist_bn not in DIST_BN:
