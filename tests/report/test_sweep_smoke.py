@@ -135,8 +135,9 @@ def test_sweep_smoke_writes_report_and_marks_the_failed_cells(uninterrupted):
     assert len(rows) == 7
     text = (report_dir / "README.md").read_text()
     first = summaries[0]
-    isa = f"{first['cpu_isa']}, bf16 instructions {'yes' if first['cpu_bf16'] else 'no'}"
-    assert f"Machines: {first['cpu_model']} ({isa}): 7 runs." in text
+    machine = f"{first['cpu_model']} ({first['cpu_isa']}, {first['precision']})"
+    assert f"Machines: {machine}: 7 runs." in text
+    assert "## Which claims survive" not in text  # a smoke sweep is set beside no study
     assert "| images per device |" in text and "| 16 |" in text and "| 64 |" in text
     assert "**2 run(s) failed**" in text
     assert "| bn | emulated | 3 | 21.3333 | 0 | trainer.global_batch_size=64 is not" in text
