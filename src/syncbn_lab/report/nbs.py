@@ -29,7 +29,7 @@ from syncbn_lab.report.plots import log2_axis, save, subplots
 from syncbn_lab.report.source import Source
 from syncbn_lab.report.stats import ALPHA, difference_noise, mean_std
 from syncbn_lab.report.text import fmt_p, fmt_paired, sentence, table_head, table_row
-from syncbn_lab.report.verdicts import NOT_YET, against_noise, holds, reaches
+from syncbn_lab.report.verdicts import HOLDS, NOT_YET, against_noise, holds, reaches
 from syncbn_lab.variants import GROUP, with_role
 
 PHASES = ("validation", "test", "precise_bn", "test_batch_stats", "checkpoints", "logging")
@@ -211,7 +211,7 @@ def _u_section(s: NormalizationBatchStudy, source: Source) -> list[str]:
             f"{s.bn[0][BATCH]} to {s.bn[-1][BATCH]}). "
             "It holds only with positive curvature and an interval that excludes both ends."
         )
-        if verdict == "holds":
+        if verdict == HOLDS:
             lines += [
                 "",
                 f"**The U's floor below the whole batch: {floor_below_whole(vertex)}.** The "

@@ -31,7 +31,7 @@ def reading(study: Study) -> list[str]:
     if deltas:
         threshold = stats.significant_from(deltas)
         series = ", ".join(
-            f"{d.mean:+.2f} ± {d.std:.2f} at {b}" for b, d in sorted(deltas.items(), reverse=True)
+            f"{fmt_paired(d)} at {b}" for b, d in sorted(deltas.items(), reverse=True)
         )
         smallest = min(deltas)
         if threshold is None:
@@ -46,7 +46,7 @@ def reading(study: Study) -> list[str]:
                 f"- **Per-device BN degrades as the per-device batch shrinks** — holds: "
                 f"significantly worse than at {study.largest} images per device (paired "
                 f"t-test, p < {stats.ALPHA}) from **{threshold} images per device** down "
-                f"({d.mean:+.2f} ± {d.std:.2f} pp there, p = {fmt_p(d.p)}); Δ pp by images "
+                f"({fmt_paired(d)} pp there, p = {fmt_p(d.p)}); Δ pp by images "
                 f"per device: {series}."
             )
     lines += recovery_reading(study)
