@@ -12,7 +12,6 @@ the plateau starts: the shortest length from which every doubling stays within t
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 
 from syncbn_lab.report import header
 from syncbn_lab.report.cells import Cell, Cells
@@ -42,11 +41,9 @@ def plateau(steps: list[tuple[int, int, Paired]], noise: float) -> int | None:
     return found
 
 
-def per_device(cells: Cells, devices: int) -> int | str:
+def per_device(cells: Cells, devices: int) -> object:
     """Images per device of the cells at ``devices``, as their runs record it."""
-    batches = {r["per_device_batch_size"] for c, runs in cells.by_cell.items()
-               if c["devices"] == devices for r in runs}  # fmt: skip
-    return batches.pop() if len(batches) == 1 else "?"
+    return cells.recorded("per_device_batch_size", *cells.select({"devices": devices}))
 
 
 def markdown(source: Source, cells: Cells) -> str:
@@ -123,10 +120,3 @@ def _row(cells: Cells, cell: Cell, runs: list[Run]) -> str:
         over_seeds((r["train_loss"] for r in runs), 4),
         "–" if not runs else f"{mean_std(r['train_time_s'] for r in runs)[0]:.0f}",
     )  # fmt: skip
-
-
-def write(source: Source, out_dir: Path) -> list[str]:
-    """README.md (and results.csv, unless the runs come from one) of a calibration."""
-    cells = source.cells()
-    (out_dir / "README.md").write_text(markdown(source, cells))
-    return ["README.md", *source.write_results(out_dir, cells)]

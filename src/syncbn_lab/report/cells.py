@@ -87,6 +87,11 @@ class Cells:
         """Runs sort by their cell, then their seed (results.csv's rows)."""
         return self.cell_of(run), run["seed"]
 
+    def recorded(self, key: str, *cells: Cell) -> Any:
+        """The one value of ``key`` that the runs of ``cells`` record; – for none or several."""
+        values = {r[key] for c in cells for r in self.by_cell.get(c, [])}
+        return values.pop() if len(values) == 1 else "–"
+
     def seeds(self, cell: Cell, value: Callable[[Run], float] = test_error) -> dict[int, float]:
         """seed -> ``value`` of the cell's run of that seed."""
         return by_seed(self.by_cell.get(cell, []), value)

@@ -10,7 +10,6 @@ of its own (a fit, a trend over cells) adds its sections to these in one small m
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 from syncbn_lab.report import header
 from syncbn_lab.report.cells import Cell, Cells
@@ -34,9 +33,15 @@ PreciseBN statistics and with test batches' own statistics, and the last epoch's
 def cell_table(
     cells: Cells, rows: list[Cell], naming: list[tuple[str, Callable[[Cell], object]]]
 ) -> list[str]:
-    """One row per cell of ``rows``: its ``naming`` columns, the seeds finished of those
-    declared, and :data:`FIGURES`."""
-    lines = table_head(*(name for name, _ in naming), "n", *(name for name, _, _ in FIGURES))
+    """What the table shows, then one row per cell of ``rows``: its ``naming`` columns, the
+    seeds finished of those declared, and :data:`FIGURES`."""
+    lines = [
+        "Test error (%) with the running statistics (EMA), with PreciseBN statistics and with "
+        "the statistics of test batches of the training normalisation batch; the last "
+        "epoch's training loss; mean ± std over the seeds finished (n of those declared).",
+        "",
+        *table_head(*(name for name, _ in naming), "n", *(name for name, _, _ in FIGURES)),
+    ]
     for cell in rows:
         runs = cells.by_cell.get(cell, [])
         lines.append(row(
@@ -62,7 +67,7 @@ def comparison_table(cells: Cells, name: str, noise: float, label=str) -> list[s
     return lines
 
 
-def markdown(source: Source, cells: Cells) -> list[str]:
+def markdown(source: Source, cells: Cells) -> str:
     """The report: the header, every cell, every declared comparison."""
     noise = difference_noise(source.noise["test_error"].std)
     declared = sum(len(s) for s in cells.declared.values())
@@ -76,19 +81,8 @@ def markdown(source: Source, cells: Cells) -> list[str]:
         "",
         "## The cells",
         "",
-        "Test error (%) with the running statistics (EMA), with PreciseBN statistics and with "
-        "the statistics of test batches of the training normalisation batch; the last "
-        "epoch's training loss; mean ± std over the seeds finished (n of those declared).",
-        "",
         *cell_table(cells, list(cells.declared), [(k, lambda c, k=k: c[k]) for k in cells.keys]),
     ]
     for name in source.spec.comparisons:
         lines += ["", f"## {name}", "", *comparison_table(cells, name, noise)]
-    return lines
-
-
-def write(source: Source, out_dir: Path) -> list[str]:
-    """README.md and results.csv of a study of declared cells and comparisons."""
-    cells = source.cells()
-    (out_dir / "README.md").write_text("\n".join(markdown(source, cells)) + "\n")
-    return ["README.md", *source.write_results(out_dir, cells)]
+    return "\n".join(lines) + "\n"

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from pathlib import Path
 
 from syncbn_lab.report import header
-from syncbn_lab.report.cells import Cell, Cells
+from syncbn_lab.report.cells import Cells
 from syncbn_lab.report.source import Source
 from syncbn_lab.report.stats import Paired, difference_noise, paired
 from syncbn_lab.report.text import fmt_p, fmt_paired, over_seeds, table_head, table_row
@@ -84,11 +83,6 @@ def levers(trainer) -> str:
     return ", ".join(found)
 
 
-def images_per_device(cells: Cells, cell: Cell) -> int | str:
-    batches = {r["per_device_batch_size"] for r in cells.by_cell.get(cell, [])}
-    return batches.pop() if len(batches) == 1 else "–"
-
-
 def markdown(source: Source, cells: Cells) -> str:
     """The report's README.md."""
     comparison = source.spec.comparison(COMPARISON)
@@ -124,7 +118,7 @@ def markdown(source: Source, cells: Cells) -> str:
         name, digits = METRICS[metric]
         lines.append(table_row(
             *(cell[k] for k in cells.keys if k not in comparison.cells),
-            images_per_device(cells, cell), name,
+            cells.recorded("per_device_batch_size", cell), name,
             over_seeds(cells.seeds(against, value(metric)).values(), digits),
             over_seeds(cells.seeds(cell, value(metric)).values(), digits),
             fmt_paired(d, digits, count=True), fmt_p(d.p), fmt_p(p),
@@ -158,10 +152,3 @@ def markdown(source: Source, cells: Cells) -> str:
 
 def _noise(source: Source, metric: str) -> float:
     return difference_noise(source.noise[metric].std)
-
-
-def write(source: Source, out_dir: Path) -> list[str]:
-    """README.md (and results.csv, unless the runs come from one) of the two arms."""
-    cells = source.cells()
-    (out_dir / "README.md").write_text(markdown(source, cells))
-    return ["README.md", *source.write_results(out_dir, cells)]

@@ -170,10 +170,6 @@ def markdown(source: Source, study: NormalizationBatchStudy) -> str:
         "",
         "## Test error by normalisation batch",
         "",
-        "Test error (%) with the running statistics (EMA), with PreciseBN statistics and with "
-        "the statistics of test batches of the training normalisation batch; the last "
-        "epoch's training loss; mean ± std over the seeds finished (n of those declared).",
-        "",
         *cell_table(cells, by_batch, [("normalisation batch", lambda c: c[BATCH]),
                                       ("cell", s.label)]),
         "",

@@ -13,17 +13,32 @@ from pathlib import Path
 
 from syncbn_lab.errors import UserError
 from syncbn_lab.report import calibration, comparisons, fast, nbs, write
+from syncbn_lab.report.cells import Cells
 from syncbn_lab.report.source import Source
+
+Writer = Callable[[Source, Path], list[str]]
+
+
+def by_cells(markdown: Callable[[Source, Cells], str]) -> Writer:
+    """A writer of README.md, ``markdown`` of the study's cells, and results.csv by cell."""
+
+    def writer(source: Source, out_dir: Path) -> list[str]:
+        cells = source.cells()
+        (out_dir / "README.md").write_text(markdown(source, cells))
+        return ["README.md", *source.write_results(out_dir, cells)]
+
+    return writer
+
 
 NOTES = "NOTES.md"
 """Hand-written observations kept next to a report (not regenerated); linked when present."""
 
-WRITERS: dict[str, Callable[[Source, Path], list[str]]] = {
+WRITERS: dict[str, Writer] = {
     "variants": write.write,  # variants x per-device batch: bn_vs_syncbn and its kin
     "normalization_batch": nbs.write,  # the U in the normalisation batch, SyncBN groups
-    "calibration": calibration.write,  # test error against training length: the plateau
-    "arms": fast.write,  # the same cells in two configurations, Holm over the table
-    "cells": comparisons.write,  # the declared cells and comparisons alone
+    "calibration": by_cells(calibration.markdown),  # test error against length: the plateau
+    "arms": by_cells(fast.markdown),  # the same cells in two configurations, Holm over them
+    "cells": by_cells(comparisons.markdown),  # the declared cells and comparisons alone
 }
 
 
