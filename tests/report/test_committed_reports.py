@@ -14,10 +14,11 @@ from conftest import ROOT
 from syncbn_lab.report import nbs, write
 
 REPORTS = ROOT / "reports"
-STUDIES = sorted(
+STUDIES = sorted(  # a study's archive committed while it runs has no report yet
     d.name
     for d in REPORTS.iterdir()
-    if (d / "runs.tar.gz").is_file() or (d / "results.csv").is_file()
+    if (d / "README.md").is_file()
+    and ((d / "runs.tar.gz").is_file() or (d / "results.csv").is_file())
 )
 
 
