@@ -217,19 +217,11 @@ def spot_check_section(study: Study) -> list[str]:
             else "."
         ),
         "",
-        *table_head(
-            "bn",
-            "devices",
-            "seed",
-            "test error DDP",
-            "emulated",
-            "Δ (pp)",
-            "Δ / noise",
-            "train loss DDP",
-            "emulated",
-            "Δ",
-            "Δ / noise",
-            "Δ loss at first logged step (rel.)",
+        *table_head(  # one string: the columns are prose, not a parallel mode's name
+            *(
+                "bn | devices | seed | test error DDP | emulated | Δ (pp) | Δ / noise | "
+                "train loss DDP | emulated | Δ | Δ / noise | Δ loss at first logged step (rel.)"
+            ).split(" | ")
         ),
     ]
     for r, twin in pairs:
