@@ -125,3 +125,27 @@ def test_role_asks_the_variant_spec_and_a_cell_is_not_measured_against_itself():
     with pytest.raises(UserError, match="finds 2 cells to measure"):
         ambiguous.pairs("same_batch")
     assert math.isnan(ambiguous.against(at(32, "bn", 8), at(32, "bn", 16)).p)  # one seed
+
+
+def test_a_plain_multirun_of_no_experiment_gets_the_default_report(tmp_path):
+    """Runs of `train.py -m` without an experiment (study: default) report through the
+    declaration of configs/config.yaml, with no --experiment to pass."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, TINY, compose_config
+
+    from syncbn_lab.train import run
+
+    sweep = tmp_path / "sweep"
+    for i, bn in enumerate(("bn", "sync")):
+        cfg = compose_config([*TINY, f"bn={bn}", "parallel=emulated", "parallel.devices=2",
+                              "trainer.max_steps=2", "trainer.threads=1"])  # fmt: skip
+        run(cfg, sweep / f"{i}_{bn}")
+    report = [sys.executable, str(ROOT / "scripts" / "report.py"), str(sweep)]
+    done = subprocess.run(
+        [*report, "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    title = (tmp_path / "r" / "README.md").read_text().splitlines()[0]
+    assert title == "# BatchNorm vs SyncBatchNorm across device counts"

@@ -21,7 +21,15 @@ from syncbn_lab.report.collect import (
     runs_from_csv,
     write_csv,
 )
-from syncbn_lab.report.spec import OWN, ReportSpec, experiments, repository, spec_of
+from syncbn_lab.report.spec import (
+    DEFAULT_STUDY,
+    OWN,
+    ReportSpec,
+    default_spec,
+    experiments,
+    repository,
+    spec_of,
+)
 from syncbn_lab.report.stats import NoiseFloor, committed_noise, reference_noise
 
 
@@ -99,22 +107,35 @@ def load(
     failures = [f for f in collect_failures(*dirs) if f["reason"] != "preempted"]
     path = dirs[0] / "sweep.json"
     record = json.loads(path.read_text()) if path.is_file() else {}
-    name = experiment or record.get("experiment") or _known(runs[0].value("study"))
+    study = _study(runs[0]) if runs else None
+    name = experiment or record.get("experiment") or _known(study)
     wall = dirs[0] / "wall_time_s"
     if wall_time_s is None and len(dirs) == 1 and wall.exists():
         wall_time_s = float(wall.read_text())  # what the sweep wrote, all its attempts
-    spec = _spec(name, dirs[0])
+    spec = _spec(name, dirs[0], study)
     if record.get("smoke"):  # the pipeline at tiny scale: set beside nothing
         spec = replace(spec, compare_with=None)
     sweep_dir = dirs[0] if record else None
     return Source(spec, runs, command, failures, sweep_dir, None, wall_time_s)
 
 
+def _study(run) -> str | None:
+    """The ``study`` a run's config.yaml names (None where it has none)."""
+    path = run.run_dir / "config.yaml"
+    if not path.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(path).get("study")
+
+
 def _known(name: str | None) -> str | None:
     return name if name in experiments() else None
 
 
-def _spec(experiment: str | None, where: Path) -> ReportSpec:
+def _spec(experiment: str | None, where: Path, study: str | None = None) -> ReportSpec:
+    if experiment is None and study == DEFAULT_STUDY:  # a plain multirun of no experiment
+        return default_spec()
     if experiment is None:
         raise UserError(
             f"which study {where} holds is not recorded; pass --experiment (one of "

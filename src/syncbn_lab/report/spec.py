@@ -96,6 +96,21 @@ def spec_of(experiment: str) -> ReportSpec:
     return declared(experiment, OmegaConf.to_container(cfg.sweep.report), cfg)
 
 
+DEFAULT_STUDY = "default"  # configs/config.yaml's study: runs of no experiment
+
+
+@cache
+def default_spec() -> ReportSpec:
+    """The report configs/config.yaml declares, for runs of no experiment (a plain
+    ``train.py -m`` multirun)."""
+    from omegaconf import OmegaConf
+
+    from syncbn_lab.config import compose
+
+    cfg = compose([])
+    return declared(DEFAULT_STUDY, OmegaConf.to_container(cfg.sweep.report), cfg)
+
+
 def declared(experiment: str, report: dict, config=None) -> ReportSpec:
     """``report`` (an experiment's ``sweep.report``, every key of configs/config.yaml's given)
     checked; ``config``: the composed experiment."""
