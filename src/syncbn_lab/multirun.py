@@ -37,6 +37,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from syncbn_lab.engine import preemption
+from syncbn_lab.engine.checkpoint import AUTO
 from syncbn_lab.errors import OneLineError, Preempted, UserError, one_line
 from syncbn_lab.logging.console import duration
 from syncbn_lab.variants import GROUP as VARIANT_GROUP
@@ -93,7 +94,7 @@ def run_job(
                 _check_same_config(cfg, run_dir)
                 print(f"skipped: {run_dir} holds a finished run", file=sys.stderr, flush=True)
                 return summary
-        if resumable(run_dir) and not cfg.trainer.get("resume"):
+        if resumable(run_dir) and cfg.trainer.get("resume") in (None, "", AUTO):
             # a requeued job or a resumed sweep: continue from the run dir's newest checkpoint
             _check_same_config(cfg, run_dir)
             (run_dir / ERROR_FILE).unlink(missing_ok=True)

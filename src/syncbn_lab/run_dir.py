@@ -29,11 +29,11 @@ from typing import Any
 from omegaconf import DictConfig, open_dict
 
 from syncbn_lab.engine import checkpoint
+from syncbn_lab.engine.checkpoint import AUTO
 from syncbn_lab.errors import ConfigError
 
 RUN_FILES = ("metrics.jsonl", "summary.json")  # a run dir with either holds a run
 ELASTIC_FILE = "elastic.json"  # the torchrun job (run id) that writes this run dir
-AUTO = "auto"  # trainer.resume=auto
 
 
 @dataclass(frozen=True)

@@ -81,3 +81,20 @@ def test_auto_refuses_a_checkpoint_of_other_settings_in_one_line(tmp_path, tiny_
     assert other.returncode == 2, other.stderr
     lines = [line for line in other.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "trainer.seed=0, this run has trainer.seed=7" in lines[0], lines
+
+
+def test_a_sweep_job_with_auto_continues_its_checkpoint_instead_of_clearing_it(tmp_path, tiny_cfg):
+    """A multirun job (skip_finished, as sweep.py runs them) given trainer.resume=auto: its
+    unfinished run continues from its checkpoint, it is not cleared and retrained."""
+    from syncbn_lab.multirun import run_job
+
+    whole = run(tiny_cfg(*SETTINGS), tmp_path / "whole")
+    job = tmp_path / "job"
+    fault = fault_override("term", 0, 6)  # the job's config, both times (a sweep checks it)
+    settings = (*SETTINGS, "trainer.resume=auto", fault)
+    stopped = train_cli(*TINY, *settings, f"hydra.run.dir={job}")
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+    summary = run_job(tiny_cfg(*settings, "skip_finished=true"), job, run)
+    assert summary is not None and summary["test_loss"] == whole["test_loss"]
+    assert summary["resumed_from"] == str(job)  # continued, not retrained from step 0
+    assert records(job) == records(tmp_path / "whole")

@@ -33,6 +33,7 @@ RESUME_KEYS = (
     "trainer.seed",
 )
 REQUIRED = ("model", "optimizer", "epoch", "step", "best_val_acc")
+AUTO = "auto"  # trainer.resume=auto: the run dir's own last checkpoint if any (syncbn_lab.run_dir)
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
 
 
