@@ -50,8 +50,9 @@ class Start:
 
 def torchrun_restart() -> tuple[str, int] | None:
     """(run id, restart count) when torchrun started this worker, else None."""
-    run_id, count = os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get(
-        "TORCHELASTIC_RESTART_COUNT"
+    run_id, count = (
+        os.environ.get("TORCHELASTIC_RUN_ID"),
+        os.environ.get("TORCHELASTIC_RESTART_COUNT"),
     )
     if run_id is None or count is None:
         return None

@@ -35,6 +35,7 @@ from syncbn_lab.provenance import cpu_isa, cpu_model, git_commit, training_code
 from syncbn_lab.run_dir import Start, follows_the_run_dir
 from syncbn_lab.shape import RunShape
 from syncbn_lab.variants import GROUP as VARIANT_GROUP
+from syncbn_lab.variants import variant
 
 # The code this process trains with, read when it loads it: a sweep's worker process runs the
 # jobs after its first with the modules it imported then, whatever the checkout holds by then.
@@ -125,6 +126,9 @@ def _work(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[
     seed_everything(t.seed)
     if rt.is_main:
         print(precision.describe(t.precision, torch.device(shape.device)), flush=True)
+        spec = variant(shape.variant)  # a per-device BN over <= 4 images says so
+        if note := spec.small_batch_note(shape.normalization_batch_size, shape.devices):
+            print(note, flush=True)
 
     dtype = precision.model_dtype(t.precision)
     splits = build_datasets(cfg.data)

@@ -53,6 +53,15 @@ results.csv column that records it."""
 
 Role = Literal["baseline", "reference", "remedy"]
 
+SMALL_BATCH = 4
+"""Per-device BN over this many images or fewer gets a note at the run's start."""
+SMALL_BATCH_FIGURE = (
+    "in reports/nbs_capacity, BN over 2 images cost +1.02 pp of test error where resnet8 "
+    "underfits Fashion-MNIST (width 4) and nothing beyond the noise where it fits (width 16, "
+    "reports/nbs_256)"
+)
+"""The measured figure the note quotes (a test checks it against the committed report)."""
+
 
 @dataclass(frozen=True)
 class NormVariant:
@@ -88,6 +97,11 @@ class NormVariant:
     def check(self, cfg: DictConfig, mode: Mode, device: str) -> None:
         """This variant's own keys and the combinations it cannot run; one-line ConfigError."""
 
+    def small_batch_note(self, normalization_batch_size: int, devices: int) -> str | None:
+        """The line a run prints at its start where this variant's statistics span too few
+        images to trust (None: nothing to say)."""
+        return None
+
 
 def _eps_momentum(cfg: DictConfig) -> dict:
     return {"eps": cfg.get("eps", 1e-5), "momentum": cfg.get("momentum", 0.1)}
@@ -114,6 +128,25 @@ class _PerDeviceBN(NormVariant):
         from syncbn_lab.nn.sync_batchnorm import BatchNorm
 
         return lambda c: BatchNorm(c, device_slices=device_slices, **kwargs)
+
+    def small_batch_note(self, normalization_batch_size, devices):
+        b = normalization_batch_size
+        if b > SMALL_BATCH:
+            return None
+        # the smallest group of devices (a divisor, as bn.group_size must be) whose SyncBN
+        # statistics span 32 images, as in reports/nbs_remedy
+        group = next((g for g in range(1, devices + 1) if devices % g == 0 and g * b >= 32), 0)
+        setting = (
+            f"bn=sync bn.group_size={group} (statistics over {group * b} images)"
+            if group > 1
+            else f"bn=sync (statistics over {devices * b} images)"
+            if devices > 1
+            else "a larger trainer.global_batch_size or bn=gn"
+        )
+        return (
+            f"note: per-device BN normalises over {b} image(s) here; {SMALL_BATCH_FIGURE}; "
+            f"measure your model with `python scripts/bn_noise.py` and consider {setting}"
+        )
 
 
 class _SyncBN(NormVariant):

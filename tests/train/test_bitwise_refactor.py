@@ -36,7 +36,7 @@ def fingerprints(src: Path) -> dict:
 def test_training_is_bitwise_the_base_commits(tmp_path):
     if _git("cat-file", "-e", f"{BASE}^{{commit}}").returncode != 0:
         pytest.skip(f"{BASE} is not in this clone's history (a shallow clone)")
-    if _git("diff", "--quiet", BASE, "--", "csrc").returncode != 0:
+    if _git("diff", "--quiet", BASE, "--", "csrc", ":!csrc/*.md").returncode != 0:
         pytest.skip(f"csrc differs from {BASE}: its kernels would need a build of their own")
     archive = subprocess.run(
         ["git", "archive", BASE, "src", "configs"], cwd=ROOT, capture_output=True, check=True
