@@ -66,6 +66,10 @@ class Cells:
         """``key`` of ``run``: its label, its series for ``bn``, else :meth:`Run.value`."""
         if key in self.spec.labels:
             return self._label(run, key)
+        if "." in key and self.spec.config is not None and run.lacks(key):
+            from omegaconf import OmegaConf
+
+            return OmegaConf.select(self.spec.config, key)  # its default, which kept the old way
         return run[GROUP] if key == GROUP else run.value(key)
 
     def column(self, run: Run, key: str) -> Any:

@@ -26,6 +26,9 @@ def series(cell: dict[str, Any]) -> Any:
     return cell.get(GROUP)
 
 
+_LACKS = object()
+
+
 @dataclass
 class Run:
     """One finished run: its summary, its training-loss curve (step, loss) and its
@@ -52,6 +55,24 @@ class Run:
             return steps_to(self, float(key.removeprefix("steps_to_")))
         if key in self.summary or "." not in key:
             return self.summary.get(key)
+        if self._config() is None:
+            return None
+        from omegaconf import OmegaConf
+
+        return OmegaConf.select(self.config, key)
+
+    def lacks(self, key: str) -> bool:
+        """``key`` (a dotted config key) is neither in the run's summary nor in its
+        config.yaml: a key added since it trained."""
+        from omegaconf import OmegaConf
+
+        if key in self.summary:
+            return False
+
+        config = self._config()
+        return config is not None and OmegaConf.select(config, key, default=_LACKS) is _LACKS
+
+    def _config(self):
         if self.config is None:
             path = self.run_dir / "config.yaml"
             if not path.is_file():
@@ -59,9 +80,7 @@ class Run:
             from omegaconf import OmegaConf
 
             self.config = OmegaConf.load(path)
-        from omegaconf import OmegaConf
-
-        return OmegaConf.select(self.config, key)
+        return self.config
 
     def row(self, columns: Iterable[str] | None = None) -> dict[str, Any]:
         """``columns`` (default: its summary's keys and :data:`COMPUTED`) by

@@ -36,25 +36,32 @@ from syncbn_lab.report.stats import NoiseFloor, committed_noise, reference_noise
 @dataclass
 class Source:
     """The runs of one study and what is known of how they ran. ``csv``: the results.csv
-    they were read from (the report does not write it again); ``sweep_dir``: the sweep dir
-    whose sweep.json and attempts.json describe them."""
+    they were read from (the report does not write it again); ``sweep_dirs``: the sweep dirs
+    whose sweep.json and attempts.json describe them (several where a report combines the
+    sweeps of several studies)."""
 
     spec: ReportSpec
     runs: list[Run]
     command: str
     failures: list[Failure] = field(default_factory=list)
-    sweep_dir: Path | None = None
+    sweep_dirs: tuple[Path, ...] = ()
     csv: Path | None = None
     wall_time_s: float | None = None
 
     @cached_property
     def declared(self) -> list[Run] | None:
-        """Every run the sweep declared, or None where only the finished runs are known."""
-        return declared_runs(self.sweep_dir) if self.sweep_dir is not None else None
+        """Every run the sweeps declared, or None where only the finished runs are known."""
+        if not self.sweep_dirs:
+            return None
+        plans = {}  # one sweep's plan once, however many of its dirs are given
+        for d in self.sweep_dirs:
+            record = json.loads((d / "sweep.json").read_text())
+            plans.setdefault(json.dumps([record["experiment"], record["parts"]]), d)
+        return [run for d in plans.values() for run in declared_runs(d) or []]
 
     @cached_property
     def attempts(self) -> list[dict]:
-        return read_attempts(self.sweep_dir) if self.sweep_dir is not None else []
+        return [a for d in self.sweep_dirs for a in read_attempts(d)]
 
     def cells(self, runs: list[Run] | None = None) -> Cells:
         """``runs`` (default: all) by the study's declared cells."""
@@ -105,18 +112,23 @@ def load(
     runs = collect_runs(*dirs)
     # a run stopped by a signal (its machine going away) is no failure: it runs again on resume
     failures = [f for f in collect_failures(*dirs) if f["reason"] != "preempted"]
-    path = dirs[0] / "sweep.json"
-    record = json.loads(path.read_text()) if path.is_file() else {}
+    swept = tuple(d for d in dirs if (d / "sweep.json").is_file())
+    records = [json.loads((d / "sweep.json").read_text()) for d in swept]
+    recorded = sorted({r["experiment"] for r in records})
+    if experiment is None and len(recorded) > 1:
+        raise UserError(
+            f"the sources hold the sweeps of {', '.join(recorded)}; pass --experiment, the "
+            "study whose report combines them"
+        )
     study = _study(runs[0]) if runs else None
-    name = experiment or record.get("experiment") or _known(study)
+    name = experiment or (recorded[0] if recorded else None) or _known(study)
     wall = dirs[0] / "wall_time_s"
     if wall_time_s is None and len(dirs) == 1 and wall.exists():
         wall_time_s = float(wall.read_text())  # what the sweep wrote, all its attempts
     spec = _spec(name, dirs[0], study)
-    if record.get("smoke"):  # the pipeline at tiny scale: set beside nothing
+    if any(r.get("smoke") for r in records):  # the pipeline at tiny scale: set beside nothing
         spec = replace(spec, compare_with=None)
-    sweep_dir = dirs[0] if record else None
-    return Source(spec, runs, command, failures, sweep_dir, None, wall_time_s)
+    return Source(spec, runs, command, failures, swept, None, wall_time_s)
 
 
 def _study(run) -> str | None:
