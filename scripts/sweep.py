@@ -217,10 +217,15 @@ def main() -> None:
     )
     if report.returncode == 0:
         log_report_to_wandb(runs[0], report_dir, sweep_dir, record["name"])
-    if any(statuses) or report.returncode:
+    if any(statuses):
         sys.exit(
             f"error: some runs failed (listed above; the report marks them missing); "
             f"python scripts/sweep.py --resume {sweep_dir} runs them again"
+        )
+    if report.returncode:  # the runs are kept: fix what the report's line names, then report
+        sys.exit(
+            f"error: every run finished but the report failed (its line above); fix that and "
+            f"write it with python scripts/report.py {sweep_dir} --out {report_dir}"
         )
 
 

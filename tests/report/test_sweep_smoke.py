@@ -100,6 +100,8 @@ def uninterrupted(tmp_path_factory):
 def test_sweep_smoke_writes_report_and_marks_the_failed_cells(uninterrupted):
     sweep_dir, report_dir, result = uninterrupted
     assert result.returncode == 1, result.stderr[-3000:]  # two runs failed
+    assert "error: some runs failed" in result.stderr  # and the report did not
+    assert "the report failed" not in result.stderr
     log = (sweep_dir / "sweep.log").read_text()  # the jobs' own output
     assert log.count("error: job ") == 2, log[-3000:]
     assert "error: job 1_bn_emulated3_s0 failed: trainer.global_batch_size=64 is not " in log
