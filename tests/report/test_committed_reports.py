@@ -38,6 +38,10 @@ def test_the_committed_report_is_what_its_command_writes(name, tmp_path, monkeyp
     for path in committed.iterdir():
         if path.suffix in (".gz", ".csv", ".png") or path.name == "NOTES.md":
             shutil.copy(path, copy)
+    for named in command[2:]:  # another study's archive the report combines with its own
+        if named.startswith("reports/") and not (tmp_path / named).exists():
+            (tmp_path / named).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / named, tmp_path / named)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", command[1:])
     monkeypatch.setattr(write, "write_plots", lambda *a: [])  # the PNGs beside it are linked
