@@ -53,11 +53,7 @@ class Source:
         """Every run the sweeps declared, or None where only the finished runs are known."""
         if not self.sweep_dirs:
             return None
-        plans = {}  # one sweep's plan once, however many of its dirs are given
-        for d in self.sweep_dirs:
-            record = json.loads((d / "sweep.json").read_text())
-            plans.setdefault(json.dumps([record["experiment"], record["parts"]]), d)
-        return [run for d in plans.values() for run in declared_runs(d) or []]
+        return [run for d in self.sweep_dirs for run in declared_runs(d) or []]
 
     @cached_property
     def attempts(self) -> list[dict]:
@@ -112,8 +108,13 @@ def load(
     runs = collect_runs(*dirs)
     # a run stopped by a signal (its machine going away) is no failure: it runs again on resume
     failures = [f for f in collect_failures(*dirs) if f["reason"] != "preempted"]
-    swept = tuple(d for d in dirs if (d / "sweep.json").is_file())
-    records = [json.loads((d / "sweep.json").read_text()) for d in swept]
+    plans: dict[str, tuple[Path, dict]] = {}  # one sweep's plan once, however many dirs hold it
+    for d in dirs:
+        if (d / "sweep.json").is_file():
+            record = json.loads((d / "sweep.json").read_text())
+            plans.setdefault(json.dumps([record["experiment"], record["parts"]]), (d, record))
+    swept = tuple(d for d, _ in plans.values())
+    records = [record for _, record in plans.values()]
     recorded = sorted({r["experiment"] for r in records})
     if experiment is None and len(recorded) > 1:
         raise UserError(
