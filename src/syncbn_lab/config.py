@@ -49,6 +49,12 @@ def derive(cfg: DictConfig) -> RunShape:
 def validate(cfg: DictConfig) -> RunShape:
     """Check ``cfg`` (one-line ConfigError for the first problem) and return its shape."""
     t, p = cfg.trainer, cfg.parallel
+    combined = cfg.get("sweep", {}).get("combines")
+    if combined:
+        raise ConfigError(
+            f"experiment={cfg.study} trains nothing: it reports the runs of "
+            f"{', '.join(combined)}; train one of those instead"
+        )
     positive(t.global_batch_size, "trainer.global_batch_size")
     positive(t.epochs, "trainer.epochs")
     positive(t.accumulate, "trainer.accumulate")

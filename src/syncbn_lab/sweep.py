@@ -49,6 +49,14 @@ def declared(experiment: str, smoke: bool) -> tuple[list[str], dict[str, list[st
     if experiment not in known:
         raise UserError(f"--experiment {experiment} is unknown; choose one of {', '.join(known)}")
     sweep = compose([f"experiment={experiment}"]).sweep
+    if sweep.combines:
+        studies = list(sweep.combines)
+        archives = " ".join(f"reports/{s}/runs.tar.gz" for s in studies)
+        raise UserError(
+            f"experiment={experiment} trains nothing: it reports the runs of "
+            f"{', '.join(studies)}; sweep those (--experiment {studies[0]} ...), then "
+            f"python scripts/report.py {archives} --experiment {experiment}"
+        )
     chosen = sweep.smoke if smoke else sweep
     common = list(sweep.smoke.overrides) if smoke else []
     parts = OmegaConf.to_container(chosen.parts) if chosen.parts is not None else {}

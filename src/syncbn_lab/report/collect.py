@@ -89,6 +89,13 @@ class Run:
         return {key: self.value(key) for key in columns}
 
     @property
+    def study(self) -> str | None:
+        """The study it ran in: its config.yaml's ``study`` (a results.csv's column)."""
+        if "study" in self.summary or self._config() is None:
+            return self.summary.get("study")
+        return self.config.get("study")
+
+    @property
     def test_error(self) -> float:
         return 100.0 - self.summary["test_acc"]
 
@@ -124,6 +131,7 @@ COMPUTED: dict[str, Callable[[Run], Any]] = {
     "test_error_precise_bn": lambda r: r.test_error_precise_bn,
     "test_error_batch_stats": lambda r: r.test_error_batch_stats,
     "run_dir": lambda r: r.run_dir.name,  # its folder inside the sweep dir: no machine paths
+    "study": lambda r: r.study,  # the experiment it trained in (a report can combine several)
     "outside_training_s": lambda r: r["wall_time_s"] - r["train_time_s"],
 }
 """The values a run's summary.json does not hold as they are reported."""
@@ -238,7 +246,7 @@ def _curves(metrics: Path) -> tuple[list[tuple[int, float]], list[tuple[int, flo
 
 INTEGER_COLUMNS = {"devices", "accumulate", "per_device_batch_size", "normalization_batch_size",
                    "global_batch_size", "seed", "steps", "epochs"}  # fmt: skip
-TEXT_COLUMNS = {GROUP, "parallel", "git_commit", "run_dir"}
+TEXT_COLUMNS = {GROUP, "parallel", "git_commit", "run_dir", "study"}
 
 
 def runs_from_csv(path: Path) -> list[Run]:

@@ -24,7 +24,7 @@ from syncbn_lab.report.cells import Cell, Cells
 from syncbn_lab.report.collect import steps_to, train_loss
 from syncbn_lab.report.comparisons import cell_table
 from syncbn_lab.report.convergence import THRESHOLDS, steps_reached
-from syncbn_lab.report.papers import papers
+from syncbn_lab.report.papers import mark, papers
 from syncbn_lab.report.plots import log2_axis, save, subplots
 from syncbn_lab.report.source import Source
 from syncbn_lab.report.stats import ALPHA, difference_noise, mean_std
@@ -334,8 +334,7 @@ def _anchors_section() -> list[str]:
         paper = known.get(key)
         if paper is None:
             continue
-        mark = "" if paper.get("confirmed", True) else " (not checked against the paper)"
-        lines.append(f"- {paper['source']}, {paper['setting']}: {paper['finding']}{mark}.")
+        lines.append(f"- {paper['source']}, {paper['setting']}: {paper['finding']}{mark(paper)}.")
     return lines
 
 

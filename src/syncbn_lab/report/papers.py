@@ -16,3 +16,8 @@ PAPERS = Path(__file__).with_name("papers.yaml")
 def papers() -> dict[str, dict[str, Any]]:
     """papers.yaml as a mapping: paper key -> its source, setting and figures."""
     return yaml.safe_load(PAPERS.read_text())
+
+
+def mark(paper: dict[str, Any]) -> str:
+    """What a figure is marked with where it was not checked against the paper's text here."""
+    return "" if paper.get("confirmed", True) else " (not checked against the paper)"

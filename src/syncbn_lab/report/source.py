@@ -121,7 +121,7 @@ def load(
             f"the sources hold the sweeps of {', '.join(recorded)}; pass --experiment, the "
             "study whose report combines them"
         )
-    study = _study(runs[0]) if runs else None
+    study = runs[0].study if runs else None
     name = experiment or (recorded[0] if recorded else None) or _known(study)
     wall = dirs[0] / "wall_time_s"
     if wall_time_s is None and len(dirs) == 1 and wall.exists():
@@ -130,16 +130,6 @@ def load(
     if any(r.get("smoke") for r in records):  # the pipeline at tiny scale: set beside nothing
         spec = replace(spec, compare_with=None)
     return Source(spec, runs, command, failures, swept, None, wall_time_s)
-
-
-def _study(run) -> str | None:
-    """The ``study`` a run's config.yaml names (None where it has none)."""
-    path = run.run_dir / "config.yaml"
-    if not path.is_file():
-        return None
-    from omegaconf import OmegaConf
-
-    return OmegaConf.load(path).get("study")
 
 
 def _known(name: str | None) -> str | None:

@@ -40,6 +40,17 @@ class Comparison:
 
 
 @dataclass(frozen=True)
+class Trend:
+    """Configurations in the order an effect would grow: ``vary`` takes ``values`` in turn,
+    the cell keys of ``fixed`` keep theirs."""
+
+    name: str
+    vary: str
+    values: tuple[Any, ...]
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ReportSpec:
     """``sweep.report`` of one experiment, checked; ``config`` is the composed experiment."""
 
@@ -52,6 +63,9 @@ class ReportSpec:
     noise_floor: str = OWN
     compare_with: str | None = None
     columns: tuple[str, ...] = ()
+    trends: Mapping[str, Trend] = field(default_factory=dict)
+    anchors: tuple[str, ...] = ()
+    combines: tuple[str, ...] = ()
     config: Any = field(default=None, repr=False, compare=False)
 
     def comparison(self, name: str) -> Comparison:
@@ -93,7 +107,8 @@ def spec_of(experiment: str) -> ReportSpec:
             f"experiment {experiment} is unknown; choose one of {', '.join(experiments())}"
         )
     cfg = compose([f"experiment={experiment}"])
-    return declared(experiment, OmegaConf.to_container(cfg.sweep.report), cfg)
+    report = OmegaConf.to_container(cfg.sweep.report)
+    return declared(experiment, {**report, "combines": list(cfg.sweep.combines)}, cfg)
 
 
 DEFAULT_STUDY = "default"  # configs/config.yaml's study: runs of no experiment
@@ -130,8 +145,38 @@ def declared(experiment: str, report: dict, config=None) -> ReportSpec:
         noise_floor=report.get("noise_floor") or OWN,
         compare_with=report.get("compare_with"),
         columns=tuple(report["columns"]),
+        trends={
+            name: _trend(experiment, name, value, cells)
+            for name, value in (report.get("trends") or {}).items()
+        },
+        anchors=tuple(_anchor(experiment, key) for key in report.get("anchors") or ()),
+        combines=tuple(report.get("combines") or ()),
         config=config,
     )
+
+
+def _trend(experiment: str, name: str, value: dict, cells: tuple[str, ...]) -> Trend:
+    where = f"experiment={experiment}'s sweep.report.trends.{name}"
+    if set(value) - {"vary", "values", "fixed"} or not {"vary", "values"} <= set(value):
+        raise UserError(f"{where} takes vary, values and fixed; it has {', '.join(value)}")
+    trend = Trend(name, value["vary"], tuple(value["values"]), value.get("fixed") or {})
+    for key in (trend.vary, *trend.fixed):
+        if key not in cells:
+            raise UserError(f"{where} names {key}, which is no cell key ({', '.join(cells)})")
+    if len(trend.values) < 2:
+        raise UserError(f"{where} needs two values of {trend.vary} or more to trend over")
+    return trend
+
+
+def _anchor(experiment: str, key: str) -> str:
+    from syncbn_lab.report.papers import papers
+
+    if key not in papers():
+        raise UserError(
+            f"experiment={experiment}'s sweep.report.anchors names {key}, which "
+            f"syncbn_lab/report/papers.yaml does not hold ({', '.join(papers())})"
+        )
+    return key
 
 
 def _comparison(experiment: str, name: str, value: dict, cells: tuple[str, ...]) -> Comparison:

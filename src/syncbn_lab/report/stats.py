@@ -206,3 +206,39 @@ def recovered(bn_loss: float, variant_loss: float) -> float:
     if math.isnan(bn_loss) or math.isnan(variant_loss) or bn_loss <= 0:
         return math.nan
     return 1.0 - variant_loss / bn_loss
+
+
+def trend(ordered: list[dict[int, float]]) -> Paired:
+    """Whether a value grows along ``ordered`` cells (each seed -> value), seeds as blocks:
+    each seed's least-squares slope of its values against the cells' ranks, and a one-sample
+    t-test of those slopes against 0 (two cells: the paired test of their difference)."""
+    seeds = sorted(set.intersection(*(set(c) for c in ordered))) if ordered else []
+    ranks = range(len(ordered))
+    centre = statistics.fmean(ranks)
+    spread = sum((r - centre) ** 2 for r in ranks)
+    slopes = {
+        s: sum((r - centre) * cell[s] for r, cell in zip(ranks, ordered, strict=True)) / spread
+        for s in seeds
+    }
+    return paired(slopes, dict.fromkeys(slopes, 0.0))
+
+
+def spearman(x: list[float], y: list[float]) -> tuple[float, float]:
+    """Spearman's rank correlation of ``x`` and ``y`` and its two-sided p, exact (every
+    permutation of y's ranks) for up to 9 pairs, else the t approximation; nan below 3 pairs
+    or for a constant side."""
+    from itertools import permutations
+
+    import numpy as np
+    from scipy import stats
+
+    n = len(x)
+    cx, cy = (stats.rankdata(v) - (n + 1) / 2 for v in (x, y))
+    scale = math.sqrt(float(cx @ cx) * float(cy @ cy))
+    if n < 3 or scale == 0:
+        return math.nan, math.nan
+    rho = float(cx @ cy) / scale
+    if n > 9:
+        return rho, float(stats.spearmanr(x, y).pvalue)
+    every = np.array(list(permutations(cy))) @ cx / scale
+    return rho, float(np.mean(np.abs(every) >= abs(rho) - 1e-12))

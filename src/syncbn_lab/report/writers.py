@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from syncbn_lab.errors import UserError
-from syncbn_lab.report import calibration, comparisons, fast, nbs, write
+from syncbn_lab.report import calibration, comparisons, fast, nbs, penalty, write
 from syncbn_lab.report.cells import Cells
 from syncbn_lab.report.source import Source
 
@@ -39,6 +39,7 @@ WRITERS: dict[str, Writer] = {
     "calibration": by_cells(calibration.markdown),  # test error against length: the plateau
     "arms": by_cells(fast.markdown),  # the same cells in two configurations, Holm over them
     "cells": by_cells(comparisons.markdown),  # the declared cells and comparisons alone
+    "penalty": by_cells(penalty.markdown),  # a penalty across the configurations of several studies
 }
 
 

@@ -1,0 +1,401 @@
+"""When per-device BN costs accuracy (``writer: penalty``): the study's ``penalty`` comparison
+(BN over a small normalisation batch against BN over the whole batch, paired by seed) read
+across the configurations that several studies trained, from their archives.
+
+A configuration is the values of the comparison's ``same`` keys (model, width, how much the
+images differ). For each, the report sets the penalty beside what might explain it: the final
+training loss at the whole batch (how far the model is from fitting its data), the noise of
+the batch statistics at the small batch of the models trained at the whole batch
+(``scripts/bn_noise.py``, collected by hand into reports/<study>/bn_noise.csv: one row per
+run_dir, the column noise_b<b>), and the test-batch-statistics gap of the penalised runs (test
+error with each group of b test images normalised by its own statistics, less the running
+statistics'). Then whether the penalty grows along each declared trend (seeds as blocks),
+whether it tracks the training loss or the noise across configurations (Spearman, exact),
+what the ``remedy`` comparison's cells recover where a penalty appears, and the papers'
+figures beside.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+
+from syncbn_lab.report import header
+from syncbn_lab.report.cells import Cell, Cells
+from syncbn_lab.report.collect import train_loss
+from syncbn_lab.report.comparisons import cell_table
+from syncbn_lab.report.papers import mark, papers
+from syncbn_lab.report.source import Source
+from syncbn_lab.report.spec import Trend, repository
+from syncbn_lab.report.stats import (
+    ALPHA,
+    Paired,
+    difference_noise,
+    recovered,
+    spearman,
+    trend,
+)
+from syncbn_lab.report.text import fmt_interval, fmt_p, fmt_paired, over_seeds, table_head
+from syncbn_lab.report.text import table_row as row
+from syncbn_lab.report.verdicts import HOLDS, against_noise, outcome, reaches
+from syncbn_lab.variants import GROUP
+
+PENALTY, REMEDY = "penalty", "remedy"
+"""The comparisons the report reads: the penalty, and the remedies against the penalised
+cell."""
+NOISE_CSV = "bn_noise.csv"
+"""reports/<study>/bn_noise.csv: the measured noise of each trained run's batch statistics."""
+BATCH = "normalization_batch_size"
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One configuration's penalty: the penalised cell, the cell it is measured against, and
+    the paired difference in test error (pp, positive: the small batch is worse)."""
+
+    config: Cell
+    small: Cell
+    whole: Cell
+    penalty: Paired
+
+
+class PenaltyStudy:
+    """The penalty per configuration, the noise of the batch statistics and the figures the
+    report reads from them."""
+
+    def __init__(self, cells: Cells, noise: float):
+        self.cells, self.noise = cells, noise
+        self.same = cells.spec.comparison(PENALTY).same
+        self.by_config: dict[Cell, Configuration] = {}
+        for small, whole in cells.pairs(PENALTY):
+            config = self.config_of(small)
+            self.by_config[config] = Configuration(
+                config, small, whole, cells.against(small, whole)
+            )
+
+    def config_of(self, cell: Cell) -> Cell:
+        return Cell(tuple(cell[k] for k in self.same), self.same)
+
+    def appears(self, c: Configuration) -> bool:
+        """A penalty: worse at the small batch, significantly and beyond the float32 noise."""
+        return c.penalty.significant and c.penalty.mean > self.noise
+
+    def per_seed(self, c: Configuration) -> dict[int, float]:
+        small, whole = self.cells.seeds(c.small), self.cells.seeds(c.whole)
+        return {s: small[s] - whole[s] for s in sorted(set(small) & set(whole))}
+
+    @cached_property
+    def measured_noise(self) -> dict[tuple[str, str], dict[str, float]]:
+        """(study, run_dir) -> that trained run's measured noise by column (noise_b<b>), from
+        each study's reports/<study>/bn_noise.csv."""
+        found: dict[tuple[str, str], dict[str, float]] = {}
+        for study in sorted({r.study for r in self.cells.runs if r.study}):
+            path = repository() / "reports" / study / NOISE_CSV
+            if not path.is_file():
+                continue
+            with open(path, newline="") as f:
+                for line in csv.DictReader(f):
+                    found[(study, line["run_dir"])] = {
+                        k: float(v) for k, v in line.items() if k.startswith("noise_b") and v
+                    }
+        return found
+
+    def noise_of(self, c: Configuration) -> list[float]:
+        """The noise at the penalised cell's batch of each run of the whole-batch cell."""
+        column = f"noise_b{c.small[BATCH]}"
+        measured = [self.measured_noise.get((r.study, r.run_dir.name), {})
+                    for r in self.cells.by_cell.get(c.whole, [])]  # fmt: skip
+        return [m[column] for m in measured if column in m]
+
+    def gap(self, c: Configuration) -> list[float]:
+        """The test-batch-statistics gap of each penalised run (pp)."""
+        runs = self.cells.by_cell.get(c.small, [])
+        return [r.test_error_batch_stats - r.test_error for r in runs]
+
+    def loss(self, c: Configuration) -> list[float]:
+        return [train_loss(r) for r in self.cells.by_cell.get(c.whole, [])]
+
+    def along(self, t: Trend) -> list[Configuration | None]:
+        """The configurations of trend ``t`` in its order (None where not declared)."""
+        out = []
+        for value in t.values:
+            where = {**t.fixed, t.vary: value}
+            out.append(next((c for config, c in self.by_config.items()
+                             if all(config[k] == v for k, v in where.items())), None))  # fmt: skip
+        return out
+
+    def grows(self, t: Trend) -> Paired | None:
+        """Each seed's slope of its penalty along trend ``t`` (:func:`~.stats.trend`); None
+        until every configuration of it is declared."""
+        along = self.along(t)
+        if any(c is None for c in along):
+            return None
+        return trend([self.per_seed(c) for c in along])
+
+    def tracks(self, figure: Figure) -> Paired:
+        """Spearman's ρ of the configurations' mean penalty against their mean ``figure``,
+        as a Paired (mean: ρ, n: configurations, p: exact) that the verdicts read."""
+        pairs = [(c.penalty.mean, statistics.fmean(v)) for c in self.by_config.values()
+                 if c.penalty.n and (v := figure(self, c))]  # fmt: skip
+        rho, p = spearman([a for a, _ in pairs], [b for _, b in pairs])
+        return Paired(rho, math.nan, len(pairs) if not math.isnan(rho) else 0, p)
+
+    def remedies(self) -> list[Remedy]:
+        """Each cell of the ``remedy`` comparison measured against a penalised cell."""
+        if REMEDY not in self.cells.spec.comparisons:
+            return []
+        out = []
+        for cell, small in self.cells.pairs(REMEDY):
+            c = self.by_config.get(self.config_of(cell))
+            if c is None or small != c.small:
+                continue
+            vs_whole = self.cells.against(cell, c.whole)
+            share = recovered(c.penalty.mean, vs_whole.mean) if self.appears(c) else math.nan
+            name = ", ".join(_value(k, cell[k]) for k in cell.keys if k not in self.same)
+            out.append(Remedy(c, name, self.cells.against(cell, small), vs_whole, share))
+        return out
+
+
+Figure = Callable[[PenaltyStudy, Configuration], list[float]]
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """A remedy cell of a configuration: against its penalised cell and against the whole
+    batch (paired, pp), and the share of the penalty it recovers (nan without a penalty)."""
+
+    of: Configuration
+    name: str
+    vs_small: Paired
+    vs_whole: Paired
+    share: float
+
+
+TRACKED: tuple[tuple[str, Figure], ...] = (
+    ("the final training loss at the whole batch", PenaltyStudy.loss),
+    ("the noise of the batch statistics at the small batch", PenaltyStudy.noise_of),
+)
+"""What the penalty might track across configurations: each configuration's mean of it."""
+
+
+def _value(key: str, value: object) -> str:
+    """A cell key's value as a label reads it: a name alone (resnet8), else "width 4"."""
+    short = key.split(".")[-1]
+    return str(value) if short in ("name", GROUP) else f"{short.replace('_', ' ')} {value}"
+
+
+def _config_label(config: Cell) -> str:
+    return ", ".join(_value(k, v) for k, v in zip(config.keys, config.values, strict=True))
+
+
+def _claim(d: Paired | None) -> str:
+    """A directed claim's reading: holds, does not hold (and why), or not yet measured."""
+    verdict = outcome(d)
+    if verdict == "not measured":
+        return "not yet measured"
+    return HOLDS if verdict == HOLDS else f"does not hold ({verdict})"
+
+
+def _batches(s: PenaltyStudy) -> tuple[object, object]:
+    first = next(iter(s.by_config.values()), None)
+    return (first.small[BATCH], first.whole[BATCH]) if first else ("b", "the whole batch")
+
+
+def penalty_table(s: PenaltyStudy) -> list[str]:
+    small, whole = _batches(s)
+    lines = [
+        f"The penalty: test error at a normalisation batch of {small} less at {whole}, paired "
+        f"by seed (pp; positive: the small batch is worse), with its 95 % interval, p and "
+        f"reading against the noise; beside it the final training loss at {whole}, the noise "
+        f"of the batch statistics at b = {small} of the models trained at {whole} "
+        f"(scripts/bn_noise.py, reports/<study>/{NOISE_CSV}) and the test-batch-statistics "
+        f"gap of the runs at {small} (test error with groups of {small} test images "
+        "normalised by their own statistics, less with the running statistics). Mean ± std "
+        "over seeds.",
+        "",
+        *table_head(
+            "configuration",
+            "seeds",
+            f"penalty, {small} against {whole} (pp)",
+            "95 % interval",
+            "p",
+            "reading",
+            f"final training loss at {whole}",
+            f"noise at b = {small}",
+            "test-batch-statistics gap (pp)",
+        ),  # fmt: skip
+    ]
+    for c in s.by_config.values():
+        lines.append(row(
+            _config_label(c.config), c.penalty.n, fmt_paired(c.penalty), fmt_interval(c.penalty),
+            fmt_p(c.penalty.p), against_noise(c.penalty, s.noise), over_seeds(s.loss(c), 4),
+            over_seeds(s.noise_of(c), 3), over_seeds(s.gap(c), 2),
+        ))  # fmt: skip
+    return lines
+
+
+def trend_table(s: PenaltyStudy) -> list[str]:
+    lines = [
+        "Whether the penalty grows along each trend: each seed's least-squares slope of its "
+        "penalty against the configurations' order (seeds as blocks; two configurations: "
+        "their paired difference), a t-test of the slopes against 0. Holds: it grows, "
+        f"p < {ALPHA}.",
+        "",
+        *table_head(
+            "trend",
+            "configurations, in order",
+            "penalty along it (pp)",
+            "slope per step (pp)",
+            "seeds",
+            "p",
+            "the penalty grows",
+        ),  # fmt: skip
+    ]
+    for t in s.cells.spec.trends.values():
+        order = " → ".join(_value(t.vary, v) for v in t.values)
+        penalties = " → ".join(
+            "–" if c is None or not c.penalty.n else f"{c.penalty.mean:+.2f}" for c in s.along(t)
+        )
+        d = s.grows(t)
+        n = 0 if d is None else d.n
+        slope, p = ("–", "–") if not n else (fmt_paired(d), fmt_p(d.p))
+        lines.append(row(t.name, order, penalties, slope, n, p, _claim(d)))
+    return lines
+
+
+def tracks_table(s: PenaltyStudy) -> list[str]:
+    lines = [
+        "Whether the penalty tracks a figure across the configurations: Spearman's rank "
+        "correlation of the configurations' mean penalty with their mean of the figure, its "
+        f"p exact over every permutation. Holds: a positive correlation, p < {ALPHA}.",
+        "",
+        *table_head(
+            "the penalty against", "configurations", "Spearman's ρ", "p", "the penalty tracks it"
+        ),  # fmt: skip
+    ]
+    for name, figure in TRACKED:
+        d = s.tracks(figure)
+        rho = "–" if not d.n else f"{d.mean:+.2f}"
+        lines.append(row(name, d.n, rho, fmt_p(d.p), _claim(d)))
+    return lines
+
+
+def remedy_table(s: PenaltyStudy) -> list[str]:
+    lines = [
+        "Each remedy cell against the penalised cell and against the whole batch, paired by "
+        "seed (pp), and the share of the penalty it recovers (1 - its gap to the whole "
+        "batch / the penalty; where a penalty appears). Reaches the whole batch: holds when "
+        "within the noise of it.",
+        "",
+        *table_head(
+            "configuration",
+            "remedy",
+            "against the penalised cell (pp)",
+            "p",
+            "against the whole batch (pp)",
+            "p",
+            "recovered",
+            "reaches the whole batch",
+        ),  # fmt: skip
+    ]
+    for r in s.remedies():
+        share = "no penalty to recover" if math.isnan(r.share) else f"{100 * r.share:.0f} %"
+        lines.append(row(
+            _config_label(r.of.config), r.name, fmt_paired(r.vs_small), fmt_p(r.vs_small.p),
+            fmt_paired(r.vs_whole), fmt_p(r.vs_whole.p), share, reaches(r.vs_whole, s.noise),
+        ))  # fmt: skip
+    return lines
+
+
+def anchors(s: PenaltyStudy) -> list[str]:
+    """The papers' figures: for those with BN's error by normalisation batch, the penalty
+    from their largest batch to their smallest; else their finding."""
+    lines = ["What the papers report, beside; marked where the figures were not checked "
+             "against the paper's text here.", ""]  # fmt: skip
+    for key in s.cells.spec.anchors:
+        paper = papers()[key]
+        by_batch = next((v for k, v in paper.items() if k.startswith("bn_error_by_")), None)
+        if by_batch:
+            small, large = min(by_batch), max(by_batch)
+            found = (f"BN's error {by_batch[large]} % at {large} images, {by_batch[small]} % "
+                     f"at {small}: +{by_batch[small] - by_batch[large]:.1f} pp")  # fmt: skip
+        else:
+            found = paper["finding"]
+        lines.append(f"- {paper['source']}, {paper['setting']}: {found}{mark(paper)}.")
+    return lines
+
+
+def claims(s: PenaltyStudy) -> list[str]:
+    """One line per claim: where a penalty appears, each trend, what it tracks, the
+    remedies."""
+    penalised = [c for c in s.by_config.values() if s.appears(c)]
+    listed = "; ".join(f"{_config_label(c.config)} {fmt_paired(c.penalty)} pp" for c in penalised)
+    lines = [
+        f"- A penalty, significant and beyond the noise ({s.noise:.2f} pp), appears in "
+        f"{len(penalised)} of {len(s.by_config)} configurations"
+        + (f": {listed}." if listed else ".")
+    ]
+    for t in s.cells.spec.trends.values():
+        d = s.grows(t)
+        slope = f", {fmt_paired(d)} pp a step, p = {fmt_p(d.p)}" if d is not None and d.n else ""
+        lines.append(f"- The penalty grows along {t.name}: {_claim(d)}{slope}.")
+    for name, figure in TRACKED:
+        d = s.tracks(figure)
+        rho = f", ρ = {d.mean:+.2f} over {d.n}, p = {fmt_p(d.p)}" if d.n else ""
+        lines.append(f"- The penalty tracks {name}: {_claim(d)}{rho}.")
+    recovering = [r for r in s.remedies() if not math.isnan(r.share)]
+    if recovering:
+        each = "; ".join(f"{_config_label(r.of.config)}, {r.name}: {100 * r.share:.0f} %, "
+                         f"{reaches(r.vs_whole, s.noise)}" for r in recovering)  # fmt: skip
+        lines.append(
+            f"- Where a penalty appears, a remedy recovers it and reaches the whole batch: {each}."
+        )
+    return lines
+
+
+def markdown(source: Source, cells: Cells) -> str:
+    noise = difference_noise(source.noise["test_error"].std)
+    s = PenaltyStudy(cells, noise)
+    declared = sum(len(seeds) for seeds in cells.declared.values())
+    found = sorted({r.study for r in cells.runs if r.study})
+    missing = [name for name in source.spec.combines if name not in found]
+    lines = [
+        f"# {source.spec.title}",
+        "",
+        f"{header.setting(source)} Runs of {', '.join(found) or 'no study'}"
+        + (f" (none yet of {', '.join(missing)})" if missing else "")
+        + f"; every comparison is paired by seed, and {header.noise(source)}.",
+        "",
+        header.provenance(source, declared),
+        "",
+        "## The claims",
+        "",
+        *claims(s),
+        "",
+        "## The penalty per configuration",
+        "",
+        *penalty_table(s),
+        "",
+        "## Does the penalty grow?",
+        "",
+        *trend_table(s),
+        "",
+        "## What the penalty tracks",
+        "",
+        *tracks_table(s),
+    ]
+    if REMEDY in cells.spec.comparisons:
+        lines += ["", "## The remedies", "", *remedy_table(s)]
+    if cells.spec.anchors:
+        lines += ["", "## Anchors", "", *anchors(s)]
+    lines += [
+        "",
+        "## The cells",
+        "",
+        *cell_table(cells, list(cells.declared), [(k, lambda c, k=k: c[k]) for k in cells.keys]),
+    ]
+    return "\n".join(lines) + "\n"
