@@ -101,6 +101,7 @@ def test_the_penalty_its_trend_what_it_tracks_and_the_remedy(studies, tmp_path):
     remedy_row = f"{cell} {statistics.fmean(d):+.2f} ± {statistics.stdev(d):.2f} | "
     line = next(line for line in text.splitlines() if line.startswith(remedy_row))
     assert f"| {100 * share:.0f} % | holds |" in line, line
+    assert "appears in 2 of the 3 configurations measured: resnet8, width 4, " in text
     assert "none yet of nbs_depth, nbs_heterogeneity" in text
     assert "Yan et al. 2020" in text and "+11.8 pp (not checked against the paper)" in text
     header = (out / "results.csv").read_text().splitlines()[0].split(",")

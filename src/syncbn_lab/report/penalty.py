@@ -334,9 +334,12 @@ def claims(s: PenaltyStudy) -> list[str]:
     remedies."""
     penalised = [c for c in s.by_config.values() if s.appears(c)]
     listed = "; ".join(f"{_config_label(c.config)} {fmt_paired(c.penalty)} pp" for c in penalised)
+    measured = [c for c in s.by_config.values() if c.penalty.n > 1]
+    waiting = len(s.by_config) - len(measured)
     lines = [
         f"- A penalty, significant and beyond the noise ({s.noise:.2f} pp), appears in "
-        f"{len(penalised)} of {len(s.by_config)} configurations"
+        f"{len(penalised)} of the {len(measured)} configurations measured"
+        + (f" ({waiting} not yet)" if waiting else "")
         + (f": {listed}." if listed else ".")
     ]
     for t in s.cells.spec.trends.values():
