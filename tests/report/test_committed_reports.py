@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-from syncbn_lab.report import nbs, write
+from syncbn_lab.report import nbs, penalty, write
 
 REPORTS = ROOT / "reports"
 STUDIES = sorted(  # a study's archive committed while it runs has no report yet
@@ -46,6 +46,7 @@ def test_the_committed_report_is_what_its_command_writes(name, tmp_path, monkeyp
     monkeypatch.setattr(sys, "argv", command[1:])
     monkeypatch.setattr(write, "write_plots", lambda *a: [])  # the PNGs beside it are linked
     monkeypatch.setattr(nbs, "write_plot", lambda *a: None)
+    monkeypatch.setattr(penalty, "write_plot", lambda *a: None)
     spec = importlib.util.spec_from_file_location("report_script", ROOT / "scripts" / "report.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -29,6 +29,7 @@ from syncbn_lab.report.cells import Cell, Cells
 from syncbn_lab.report.collect import train_loss
 from syncbn_lab.report.comparisons import cell_table
 from syncbn_lab.report.papers import mark, papers
+from syncbn_lab.report.plots import save, subplots
 from syncbn_lab.report.source import Source
 from syncbn_lab.report.spec import Trend, repository
 from syncbn_lab.report.stats import (
@@ -360,9 +361,40 @@ def claims(s: PenaltyStudy) -> list[str]:
     return lines
 
 
-def markdown(source: Source, cells: Cells) -> str:
-    noise = difference_noise(source.noise["test_error"].std)
-    s = PenaltyStudy(cells, noise)
+PLOT = "penalty.png"
+
+
+def write_plot(s: PenaltyStudy, path) -> None:
+    """The penalty of each configuration (mean and 95 % interval over seeds) against each
+    figure of :data:`TRACKED`, one panel each, the float32 noise of a difference shaded."""
+    fig, axes = subplots(1, len(TRACKED), figsize=(5.2 * len(TRACKED), 4.2), sharey=True)
+    for ax, (name, figure) in zip(axes, TRACKED, strict=True):
+        for i, c in enumerate(s.by_config.values()):  # one colour a configuration
+            values = figure(s, c)
+            if c.penalty.n < 2 or not values:
+                continue
+            x = statistics.fmean(values)
+            ax.errorbar(x, c.penalty.mean, yerr=c.penalty.half_interval, fmt="o", capsize=3,
+                        color=f"C{i % 10}")  # fmt: skip
+            ax.annotate(_config_label(c.config), (x, c.penalty.mean), textcoords="offset points",
+                        xytext=(4, 4), fontsize=6)  # fmt: skip
+        ax.axhspan(-s.noise, s.noise, color="grey", alpha=0.15, lw=0)
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xlabel(name)
+    axes[0].set_ylabel("penalty (pp), mean and 95 % interval")
+    save(fig, path)
+
+
+def write(source: Source, out_dir) -> list[str]:
+    """README.md, the plot and results.csv of the penalty report."""
+    cells = source.cells()
+    study = PenaltyStudy(cells, difference_noise(source.noise["test_error"].std))
+    write_plot(study, out_dir / PLOT)
+    (out_dir / "README.md").write_text(markdown(source, cells, study))
+    return ["README.md", PLOT, *source.write_results(out_dir, cells)]
+
+
+def markdown(source: Source, cells: Cells, s: PenaltyStudy) -> str:
     declared = sum(len(seeds) for seeds in cells.declared.values())
     found = sorted({r.study for r in cells.runs if r.study})
     missing = [name for name in source.spec.combines if name not in found]
@@ -390,6 +422,8 @@ def markdown(source: Source, cells: Cells) -> str:
         "## What the penalty tracks",
         "",
         *tracks_table(s),
+        "",
+        f"![The penalty against each figure]({PLOT})",
     ]
     if REMEDY in cells.spec.comparisons:
         lines += ["", "## The remedies", "", *remedy_table(s)]

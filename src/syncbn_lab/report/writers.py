@@ -39,7 +39,7 @@ WRITERS: dict[str, Writer] = {
     "calibration": by_cells(calibration.markdown),  # test error against length: the plateau
     "arms": by_cells(fast.markdown),  # the same cells in two configurations, Holm over them
     "cells": by_cells(comparisons.markdown),  # the declared cells and comparisons alone
-    "penalty": by_cells(penalty.markdown),  # a penalty across the configurations of several studies
+    "penalty": penalty.write,  # a penalty across the configurations of several studies
 }
 
 
