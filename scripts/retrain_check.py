@@ -8,6 +8,11 @@ that trained the run: float32 results differ between CPUs, not between codes.
 
     python scripts/retrain_check.py reports/nbs_capacity/runs.tar.gz 2_bn_emulated128_s0
 
+Where the archived run trained on another kind of CPU, train it with both codes on this one and
+compare the two run dirs:
+
+    python scripts/retrain_check.py --compare <run dir of the old code> <run dir of the new>
+
 Exit status 0 when identical, 1 when not (the first differences are listed), 2 on bad input.
 """
 
@@ -67,11 +72,40 @@ def retrain(run_dir: Path, out: Path) -> dict:
     return run(cfg, out)
 
 
+def verdict(before: Path, after: Path) -> int:
+    """Print whether ``after`` trained as ``before`` did; 0 when identical, 1 when not."""
+    found = differences(before, after)
+    old, new = finished_summary(before), finished_summary(after)
+    codes = f"training code {old.get('training_code')} -> {new.get('training_code')}"
+    if found:
+        print(f"differs ({codes}): {len(found)} differences; first ones:", flush=True)
+        print("\n".join(f"  {line}" for line in found[:5]), flush=True)
+        return 1
+    print(f"identical ({codes}): {len(records(before))} metrics records and "
+          f"{len(decided(old))} summary numbers, to the bit, on {new.get('cpu_model')}",
+          flush=True)  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("archive", type=Path, help="a runs.tar.gz that scripts/sweep.py packed")
-    parser.add_argument("run", help="the run's folder name inside it, e.g. 2_bn_emulated128_s0")
+    parser.add_argument("archive", type=Path, nargs="?", help="a runs.tar.gz sweep.py packed")
+    parser.add_argument("run", nargs="?", help="the run's folder in it, e.g. 2_bn_emulated128_s0")
+    parser.add_argument(
+        "--compare", nargs=2, type=Path, metavar="RUN_DIR",
+        help="compare two finished run dirs instead: the old code's, then the new code's",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    with exit_on_user_error():
+        if args.compare:
+            if args.archive is not None:
+                raise UserError("pass --compare RUN_DIR RUN_DIR alone, or an archive and a run")
+            for run_dir in args.compare:
+                if finished_summary(run_dir) is None:
+                    raise UserError(f"{run_dir} is no finished run (no complete summary.json)")
+            return verdict(*args.compare)
+        if args.archive is None or args.run is None:
+            raise UserError("pass a runs.tar.gz and a run's folder name, or --compare A B")
     with tempfile.TemporaryDirectory(prefix="retrain-check-") as tmp, exit_on_user_error():
         if not args.archive.is_file():
             raise UserError(f"{args.archive} is not a file; pass a runs.tar.gz")
@@ -80,19 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         if finished_summary(run_dir) is None:
             names = ", ".join(p.name for p in archive.finished_runs(sweep_dir))
             raise UserError(f"{args.archive} holds no finished run {args.run}; it holds {names}")
-        before = finished_summary(run_dir)
         retrain(run_dir, Path(tmp) / "again")
-        found = differences(run_dir, Path(tmp) / "again")
-        after = finished_summary(Path(tmp) / "again")
-        codes = f"training code {before.get('training_code')} -> {after.get('training_code')}"
-        if found:
-            print(f"differs ({codes}): {len(found)} differences; first ones:", flush=True)
-            print("\n".join(f"  {line}" for line in found[:5]), flush=True)
-            return 1
-        count = len(records(run_dir))
-        print(f"identical ({codes}): {count} metrics records and {len(decided(before))} "
-              f"summary numbers, to the bit, on {after.get('cpu_model')}", flush=True)  # fmt: skip
-        return 0
+        return verdict(run_dir, Path(tmp) / "again")
 
 
 if __name__ == "__main__":

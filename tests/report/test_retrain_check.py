@@ -60,3 +60,22 @@ def test_an_unknown_run_is_one_line(tmp_path):
     result = check(packed, "nope")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "holds no finished run nope" in result.stderr
+
+
+def test_two_run_dirs_compared_identical_and_one_ulp_apart(tmp_path):
+    """--compare: two runs of one configuration, as two codes trained them on one machine."""
+    import shutil
+
+    first = tmp_path / "old"
+    run(compose_config([*TINY, "trainer.max_steps=4", "trainer.threads=1"]), first)
+    same = check("--compare", first, first)
+    assert same.returncode == 0 and "identical" in same.stdout, same.stdout + same.stderr
+    second = tmp_path / "new"
+    shutil.copytree(first, second)
+    rows = [json.loads(line) for line in (second / "metrics.jsonl").read_text().splitlines()]
+    rows[1]["train/loss"] = math.nextafter(rows[1]["train/loss"], -math.inf)
+    (second / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    differs = check("--compare", first, second)
+    assert differs.returncode == 1 and "metrics.jsonl step 2" in differs.stdout, differs.stdout
+    missing = check("--compare", first, tmp_path / "nowhere")
+    assert missing.returncode == 2 and "is no finished run" in missing.stderr, missing.stderr
