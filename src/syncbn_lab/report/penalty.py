@@ -140,10 +140,14 @@ class PenaltyStudy:
     def tracks(self, figure: Figure) -> Paired:
         """Spearman's ρ of the configurations' mean penalty against their mean ``figure``,
         as a Paired (mean: ρ, n: configurations, p: exact) that the verdicts read."""
-        pairs = [(c.penalty.mean, statistics.fmean(v)) for c in self.by_config.values()
-                 if c.penalty.n and (v := figure(self, c))]  # fmt: skip
+        pairs = [(c.penalty.mean, statistics.fmean(v)) for c in self.measured()
+                 if (v := figure(self, c))]  # fmt: skip
         rho, p = spearman([a for a, _ in pairs], [b for _, b in pairs])
         return Paired(rho, math.nan, len(pairs) if not math.isnan(rho) else 0, p)
+
+    def measured(self) -> list[Configuration]:
+        """The configurations whose penalty has two seeds or more: those the claims read."""
+        return [c for c in self.by_config.values() if c.penalty.n > 1]
 
     def remedies(self) -> list[Remedy]:
         """Each cell of the ``remedy`` comparison measured against a penalised cell."""
@@ -156,7 +160,8 @@ class PenaltyStudy:
                 continue
             vs_whole = self.cells.against(cell, c.whole)
             share = recovered(c.penalty.mean, vs_whole.mean) if self.appears(c) else math.nan
-            name = ", ".join(_value(k, cell[k]) for k in cell.keys if k not in self.same)
+            shared = (*self.same, *self.cells.spec.comparison(REMEDY).cells)  # said once
+            name = ", ".join(_value(k, cell[k]) for k in cell.keys if k not in shared)
             out.append(Remedy(c, name, self.cells.against(cell, small), vs_whole, share))
         return out
 
@@ -195,9 +200,9 @@ def _config_label(config: Cell) -> str:
 
 def _claim(d: Paired | None) -> str:
     """A directed claim's reading: holds, does not hold (and why), or not yet measured."""
-    verdict = outcome(d)
-    if verdict == "not measured":
+    if d is None or d.n < 2:
         return "not yet measured"
+    verdict = outcome(d)
     return HOLDS if verdict == HOLDS else f"does not hold ({verdict})"
 
 
@@ -335,7 +340,7 @@ def claims(s: PenaltyStudy) -> list[str]:
     remedies."""
     penalised = [c for c in s.by_config.values() if s.appears(c)]
     listed = "; ".join(f"{_config_label(c.config)} {fmt_paired(c.penalty)} pp" for c in penalised)
-    measured = [c for c in s.by_config.values() if c.penalty.n > 1]
+    measured = s.measured()
     waiting = len(s.by_config) - len(measured)
     lines = [
         f"- A penalty, significant and beyond the noise ({s.noise:.2f} pp), appears in "
@@ -345,18 +350,22 @@ def claims(s: PenaltyStudy) -> list[str]:
     ]
     for t in s.cells.spec.trends.values():
         d = s.grows(t)
-        slope = f", {fmt_paired(d)} pp a step, p = {fmt_p(d.p)}" if d is not None and d.n else ""
+        measured = d is not None and d.n > 1
+        slope = f", {fmt_paired(d)} pp a step, p = {fmt_p(d.p)}" if measured else ""
         lines.append(f"- The penalty grows along {t.name}: {_claim(d)}{slope}.")
     for name, figure in TRACKED:
         d = s.tracks(figure)
-        rho = f", ρ = {d.mean:+.2f} over {d.n}, p = {fmt_p(d.p)}" if d.n else ""
+        rho = f", ρ = {d.mean:+.2f} over {d.n}, p = {fmt_p(d.p)}" if d.n > 1 else ""
         lines.append(f"- The penalty tracks {name}: {_claim(d)}{rho}.")
     recovering = [r for r in s.remedies() if not math.isnan(r.share)]
     if recovering:
-        each = "; ".join(f"{_config_label(r.of.config)}, {r.name}: {100 * r.share:.0f} %, "
-                         f"{reaches(r.vs_whole, s.noise)}" for r in recovering)  # fmt: skip
+        over = ", ".join(_value(k, v) for k, v in s.cells.spec.comparison(REMEDY).cells.items())
+        each = "; ".join(f"{_config_label(r.of.config)}, {r.name}: {100 * r.share:.0f} % "
+                         f"(reaches it: {reaches(r.vs_whole, s.noise)})"
+                         for r in recovering)  # fmt: skip
         lines.append(
-            f"- Where a penalty appears, a remedy recovers it and reaches the whole batch: {each}."
+            f"- Where a penalty appears, the share of it each remedy ({over}) recovers, and "
+            f"whether it reaches the whole batch: {each}."
         )
     return lines
 
