@@ -153,6 +153,7 @@ class PenaltyStudy:
         """Each cell of the ``remedy`` comparison measured against a penalised cell."""
         if REMEDY not in self.cells.spec.comparisons:
             return []
+        shared = (*self.same, *self.cells.spec.comparison(REMEDY).cells)  # said once
         out = []
         for cell, small in self.cells.pairs(REMEDY):
             c = self.by_config.get(self.config_of(cell))
@@ -160,7 +161,6 @@ class PenaltyStudy:
                 continue
             vs_whole = self.cells.against(cell, c.whole)
             share = recovered(c.penalty.mean, vs_whole.mean) if self.appears(c) else math.nan
-            shared = (*self.same, *self.cells.spec.comparison(REMEDY).cells)  # said once
             name = ", ".join(_value(k, cell[k]) for k in cell.keys if k not in shared)
             out.append(Remedy(c, name, self.cells.against(cell, small), vs_whole, share))
         return out
