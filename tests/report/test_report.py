@@ -304,3 +304,15 @@ def test_diverged_runs_are_marked_diverged_and_not_averaged(sweep):
     }
     assert table["2"][1:3] == ["– diverged", "– diverged"]
     assert table["1"][5].endswith("(1 diverged)") and not table["1"][5].startswith("–")
+
+
+def test_machines_counts_each_cpu_in_words():
+    from syncbn_lab.report.header import machines
+
+    run = {"cpu_model": "AMD EPYC", "cpu_isa": "AVX2", "precision": "fp32"}
+    other = {"cpu_model": "Intel Xeon", "cpu_isa": "AVX512", "precision": None}
+    text = machines([run, run, other, {"cpu_model": None}])
+    assert text == (
+        "Machines: AMD EPYC (AVX2, fp32): 2 runs; "
+        "Intel Xeon (AVX512, precision not recorded): 1 run."
+    )

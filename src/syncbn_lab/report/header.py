@@ -78,7 +78,8 @@ def machines(runs) -> str:
                f"{r['precision'] or 'precision not recorded'})"] += 1  # fmt: skip
     if not counts:
         return "Machines: not recorded."
-    return "Machines: " + "; ".join(f"{m}: {n} runs" for m, n in counts.items()) + "."
+    listed = (f"{m}: {n} run{'' if n == 1 else 's'}" for m, n in counts.items())
+    return "Machines: " + "; ".join(listed) + "."
 
 
 def time(source: Source) -> str:
