@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from syncbn_lab.cli import exit_on_user_error, precheck, torchrun_restart_args
 from syncbn_lab.logging.console import LOG_FILE, log_terminal
+from syncbn_lab.machine import torchrun_env
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 
@@ -86,4 +87,9 @@ def torchrun_follower_args(args: list[str]) -> list[str]:
 if __name__ == "__main__":
     sys.argv[1:] = torchrun_follower_args(torchrun_restart_args(sys.argv[1:]))
     precheck(CONFIG_DIR, sys.argv[1:])
-    main()
+    if torchrun_env() is None:
+        main()
+    else:  # a torchrun rank ends without the interpreter's teardown (gloo's threads abort it)
+        from syncbn_lab.parallel.ddp import run_torchrun_rank
+
+        run_torchrun_rank(main)

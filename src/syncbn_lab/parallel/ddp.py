@@ -18,6 +18,7 @@ race for a port. ``forkserver`` ranks fork from a server that has imported torch
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import signal
@@ -29,7 +30,7 @@ import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,8 @@ from syncbn_lab.machine import available_cores, torchrun_env
 from syncbn_lab.parallel.context import Runtime
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from syncbn_lab.shape import RunShape
 
 GRACE_S = 3.0  # after a first failure: time to collect the other ranks' reports
@@ -435,6 +438,36 @@ def _destroy_process_group() -> None:
 
     threading.Thread(target=destroy, daemon=True).start()
     done.wait(10)
+
+
+def run_torchrun_rank(main: Callable[[], object]) -> NoReturn:
+    """Run ``main`` in a rank torchrun started, then end the process as Python's own exit
+    does (``main``'s SystemExit code, the atexit functions, the flushed streams) without the
+    interpreter's teardown.
+
+    destroy_process_group leaves gloo's worker threads running. One that drops a finished
+    collective's tensor while the interpreter tears down must take the GIL, Python ends the
+    thread inside a C++ destructor, and std::terminate aborts the rank (SIGABRT) after its
+    run has finished: torchrun then reports a failure or restarts the job. A core dump of it
+    shows ``ProcessGroupGloo::AsyncWork::~AsyncWork -> decref_pyobject -> take_gil ->
+    pthread_exit`` on a worker thread while the main thread is in ``Py_FinalizeEx``; on 2
+    cores about one exit in 50 to 100 of a two-rank gloo job. The ranks spawned here never
+    reach the teardown: forkserver children end with ``os._exit``."""
+    code: object = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code
+    atexit._run_exitfuncs()
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)  # what sys.exit("message") prints
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to write
+            pass
+    os._exit(code or 0)
 
 
 def _is_peer_failure(e: BaseException) -> bool:
