@@ -113,7 +113,7 @@ def rank_main(rank: int, result_dir: str) -> None:
     finally:
         dist.destroy_process_group()
     # End without the interpreter's teardown, as torchrun ranks of the lab do
-    # (syncbn_lab.parallel.ddp.run_torchrun_rank, which this wheel does not need): gloo's
+    # (syncbn_lab.parallel.ddp.exit_rank, which this wheel does not hold): gloo's
     # worker threads outlive destroy_process_group, and one that drops a finished
     # all_reduce's tensor during the teardown aborts the process (SIGABRT), about one run
     # in 50 to 100 on 2 cores.

@@ -372,7 +372,7 @@ def _rank_main(
     finally:
         _destroy_process_group()
         report.close()
-    sys.exit(code)
+    exit_rank(code)  # forkserver children skip the teardown anyway; spawn ones would not
 
 
 def _send_error(report: Connection, rank: int, e: Exception) -> None:
@@ -441,23 +441,27 @@ def _destroy_process_group() -> None:
 
 
 def run_torchrun_rank(main: Callable[[], object]) -> NoReturn:
-    """Run ``main`` in a rank torchrun started, then end the process as Python's own exit
-    does (``main``'s SystemExit code, the atexit functions, the flushed streams) without the
-    interpreter's teardown.
-
-    destroy_process_group leaves gloo's worker threads running. One that drops a finished
-    collective's tensor while the interpreter tears down must take the GIL, Python ends the
-    thread inside a C++ destructor, and std::terminate aborts the rank (SIGABRT) after its
-    run has finished: torchrun then reports a failure or restarts the job. A core dump of it
-    shows ``ProcessGroupGloo::AsyncWork::~AsyncWork -> decref_pyobject -> take_gil ->
-    pthread_exit`` on a worker thread while the main thread is in ``Py_FinalizeEx``; on 2
-    cores about one exit in 50 to 100 of a two-rank gloo job. The ranks spawned here never
-    reach the teardown: forkserver children end with ``os._exit``."""
+    """Run ``main`` in a rank torchrun started and end the process with :func:`exit_rank`
+    and the code of main's SystemExit (0 when main returns)."""
     code: object = 0
     try:
         main()
     except SystemExit as e:
         code = e.code
+    exit_rank(code)
+
+
+def exit_rank(code: object) -> NoReturn:
+    """End a rank's process as Python's own exit does (the exit code as SystemExit reads
+    it, the atexit functions, the flushed streams) without the interpreter's teardown.
+
+    destroy_process_group leaves gloo's worker threads running. One that drops a finished
+    collective's tensor while the interpreter tears down must take the GIL, Python ends the
+    thread inside a C++ destructor, and std::terminate aborts the rank (SIGABRT) after its
+    run has finished: the job then fails, or torchrun restarts it. A core dump of it shows
+    ``ProcessGroupGloo::AsyncWork::~AsyncWork -> decref_pyobject -> take_gil ->
+    pthread_exit`` on a worker thread while the main thread is in ``Py_FinalizeEx``; on 2
+    cores about one exit in 50 to 100 of a two-rank gloo job."""
     atexit._run_exitfuncs()
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)  # what sys.exit("message") prints

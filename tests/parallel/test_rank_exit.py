@@ -1,12 +1,19 @@
-"""A torchrun rank ends through syncbn_lab.parallel.ddp.run_torchrun_rank: as Python's own
-exit does (the exit code of main's SystemExit, the atexit functions, the flushed streams) but
-without the interpreter's teardown, during which gloo's worker threads abort the process.
-Each case runs in a fresh interpreter beside a control that exits the usual way."""
+"""A rank ends through syncbn_lab.parallel.ddp.exit_rank (torchrun's ranks through
+run_torchrun_rank): as Python's own exit does (the exit code of main's SystemExit, the atexit
+functions, the flushed streams) but without the interpreter's teardown, during which gloo's
+worker threads abort the process. Each case runs in a fresh interpreter beside a control that
+exits the usual way; a rank spawned without forkserver reports its run and exits with 0."""
 
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from syncbn_lab.parallel.ddp import launch_ddp
+from syncbn_lab.shape import RunShape
 
 SCRIPT = """
 import atexit, sys
@@ -56,3 +63,21 @@ def test_a_rank_exits_as_python_does_less_the_teardown(tmp_path, code):
     assert rank.stderr.startswith("to stderr")
     if isinstance(code, str):
         assert rank.stderr == "to stderr" + code + "\n"
+
+
+def summed_ranks(rt, cfg, shape, run_dir):
+    value = torch.tensor([float(rt.rank + 1)])
+    dist.all_reduce(value)
+    return {"sum": value.item()}
+
+
+def test_ranks_started_by_spawn_report_and_exit_cleanly(tmp_path):
+    cfg = OmegaConf.create(
+        {"parallel": {"devices": 2, "start_method": "spawn", "timeout_s": 60},
+         "trainer": {"threads": 1}}
+    )  # fmt: skip
+    shape = RunShape(
+        variant="bn", mode="ddp", devices=2, per_device_batch_size=1, slices_per_process=1,
+        device_slices=1, normalization_batch_size=1, device="cpu", backend="gloo",
+    )  # fmt: skip
+    assert launch_ddp(cfg, shape, summed_ranks, tmp_path) == {"sum": 3.0}
