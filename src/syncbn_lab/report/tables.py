@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from syncbn_lab.report.collect import Failure, Run
-from syncbn_lab.report.papers import papers
+from syncbn_lab.report.papers import mark, papers
 from syncbn_lab.report.stats import difference_noise, mean_std
 from syncbn_lab.report.study import SMALL_BATCH, Study, group, per_sample
 from syncbn_lab.report.text import fmt, fmt_p, fmt_paired, table_head, table_row
@@ -295,10 +295,6 @@ def anchors_section(study: Study) -> list[str]:
     return lines
 
 
-def _unconfirmed(paper: dict) -> str:
-    return "" if paper.get("confirmed", True) else " (not confirmed from the paper itself)"
-
-
 def _remedy_anchor(study: Study, paper: dict) -> list[str]:
     """Wu & He's remedies at their small per-GPU batch beside the same variants here."""
     b = paper["images_per_device"]
@@ -312,7 +308,7 @@ def _remedy_anchor(study: Study, paper: dict) -> list[str]:
         return []
     theirs = ", ".join(f"{k} {v} %" for k, v in paper["errors"].items())
     return [
-        f"| {paper['source']}{_unconfirmed(paper)} | {paper['setting']} | error {theirs} | "
+        f"| {paper['source']}{mark(paper)} | {paper['setting']} | error {theirs} | "
         f"at {b} images per device: {', '.join(here)} |"
     ]
 
@@ -327,7 +323,7 @@ def _batch_anchor(study: Study, paper: dict) -> list[str]:
     best = min(deltas, key=lambda b: deltas[b].mean)
     precise = mean_std([r.test_error_precise_bn - r.test_error for r in cell])[0]
     return [
-        f"| {paper['source']}{_unconfirmed(paper)} | {paper['setting']} | {paper['finding']} | "
+        f"| {paper['source']}{mark(paper)} | {paper['setting']} | {paper['finding']} | "
         f"lowest mean error at {best} images per device ({fmt_paired(deltas[best])} pp against "
         f"{study.largest}); PreciseBN minus EMA at {study.largest}: {precise:+.2f} pp |"
     ]
