@@ -372,7 +372,7 @@ def _rank_main(
     finally:
         _destroy_process_group()
         report.close()
-    exit_rank(code)  # forkserver children skip the teardown anyway; spawn ones would not
+    sys.exit(code)  # forkserver children end with os._exit: no teardown, no atexit
 
 
 def _send_error(report: Connection, rank: int, e: Exception) -> None:
