@@ -1,8 +1,8 @@
-"""A rank ends through syncbn_lab.parallel.ddp.exit_rank (torchrun's ranks through
-run_torchrun_rank): as Python's own exit does (the exit code of main's SystemExit, the atexit
-functions, the flushed streams) but without the interpreter's teardown, during which gloo's
-worker threads abort the process. Each case runs in a fresh interpreter beside a control that
-exits the usual way; a rank spawned without forkserver reports its run and exits with 0."""
+"""A torchrun rank ends through syncbn_lab.parallel.ddp.run_torchrun_rank: as Python's own
+exit does (the exit code of main's SystemExit, the atexit functions, the flushed streams) but
+without the interpreter's teardown, during which gloo's worker threads abort the process. Each
+case runs in a fresh interpreter beside a control that exits the usual way. Ranks the lab
+spawns keep sys.exit; started with spawn instead of forkserver they report and exit with 0."""
 
 import subprocess
 import sys
