@@ -2,10 +2,13 @@
 exit does (the exit code of main's SystemExit, the atexit functions, the flushed streams) but
 without the interpreter's teardown, during which gloo's worker threads abort the process. Each
 case runs in a fresh interpreter beside a control that exits the usual way. Ranks the lab
-spawns keep sys.exit; started with spawn instead of forkserver they report and exit with 0."""
+starts with spawn end through exit_rank too (forkserver's children never reach a teardown:
+their server ends them with os._exit)."""
 
+import atexit
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,13 +68,23 @@ def test_a_rank_exits_as_python_does_less_the_teardown(tmp_path, code):
         assert rank.stderr == "to stderr" + code + "\n"
 
 
+class TornDown:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __del__(self):  # runs only in the interpreter's teardown
+        self.path.write_text("x")
+
+
 def summed_ranks(rt, cfg, shape, run_dir):
+    atexit.register((run_dir / f"atexit{rt.rank}").write_text, "x")
+    sys.modules["__main__"].kept = TornDown(run_dir / f"teardown{rt.rank}")  # torn down first
     value = torch.tensor([float(rt.rank + 1)])
     dist.all_reduce(value)
     return {"sum": value.item()}
 
 
-def test_ranks_started_by_spawn_report_and_exit_cleanly(tmp_path):
+def test_ranks_started_by_spawn_report_and_exit_without_the_teardown(tmp_path):
     cfg = OmegaConf.create(
         {"parallel": {"devices": 2, "start_method": "spawn", "timeout_s": 60},
          "trainer": {"threads": 1}}
@@ -81,3 +94,4 @@ def test_ranks_started_by_spawn_report_and_exit_cleanly(tmp_path):
         device_slices=1, normalization_batch_size=1, device="cpu", backend="gloo",
     )  # fmt: skip
     assert launch_ddp(cfg, shape, summed_ranks, tmp_path) == {"sum": 3.0}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit0", "atexit1"]

@@ -372,6 +372,8 @@ def _rank_main(
     finally:
         _destroy_process_group()
         report.close()
+    if container["parallel"]["start_method"] == "spawn":
+        exit_rank(code)  # a spawned interpreter would tear down under gloo's threads
     sys.exit(code)  # forkserver children end with os._exit: no teardown, no atexit
 
 
