@@ -52,7 +52,7 @@ from syncbn_lab import archive
 from syncbn_lab.cli import exit_on_user_error
 from syncbn_lab.errors import UserError, one_line
 from syncbn_lab.logging.console import display_path
-from syncbn_lab.multirun import SweepProgress, job_count
+from syncbn_lab.multirun import SweepProgress, job_count, varied_keys
 from syncbn_lab.provenance import cpu_isa, cpu_model
 from syncbn_lab.sweep import (
     LOG,
@@ -167,6 +167,7 @@ def main() -> None:
     ]
     try:
         total = sum(job_count(arguments) for arguments in runs)
+        varied = varied_keys(runs)
     except Exception as e:  # a bad override: Hydra's message as one line, nothing written
         sys.exit(f"error: {' '.join(str(e).split())}")
     if args.resume is None:
@@ -176,7 +177,7 @@ def main() -> None:
     wall_file = sweep_dir / "wall_time_s"
     earlier = float(wall_file.read_text()) if wall_file.exists() else 0.0
     start = time.perf_counter()
-    progress = SweepProgress(sweep_dir, total)
+    progress = SweepProgress(sweep_dir, total, varied)
     attempt = archive.start_attempt(sweep_dir, machine())
     packed_into = ROOT / record["archive"] if record.get("archive") else None
 

@@ -277,18 +277,41 @@ def job_count(overrides: list[str]) -> int:
     return len(jobs(overrides))
 
 
+CELL_SETTINGS = (VARIANT_GROUP, "parallel", "parallel.devices", "trainer.seed")
+"""The overrides that choose what :func:`cell` names for every run."""
+
+
+def varied_keys(runs: list[list[str]]) -> list[str]:
+    """The settings whose value differs between the jobs of ``scripts/train.py -m <overrides>``
+    for each ``overrides`` in ``runs``, other than :data:`CELL_SETTINGS` and Hydra's own (how
+    the jobs launch), in the order they first appear: what tells a sweep's runs apart beyond
+    the cell."""
+    every = [dict(o.lstrip("+~").split("=", 1) for o in job) for run in runs for job in jobs(run)]
+    keys = dict.fromkeys(key for job in every for key in job if not key.startswith("hydra"))
+    return [
+        key for key in keys if key not in CELL_SETTINGS and len({job.get(key) for job in every}) > 1
+    ]
+
+
 class SweepProgress:
     """One line per run of a sweep as it finishes: ``[k/N]``, its cell (variant, parallel
-    mode x devices, images per device, seed), its test error or why it has none (failed,
-    diverged), its time, and the sweep's estimated time left.
+    mode x devices, images per device, the ``varied`` settings as the run's config.yaml has
+    them, seed), its test error or why it has none (failed, diverged), its time, and the
+    sweep's estimated time left.
 
     Reads the run dirs under ``sweep_dir``: a new complete summary.json is a finished run, a
     new error.json a failed one. Runs finished before this attempt (``--resume``) count as
     done and get no line; the estimate is this attempt's time per finished run times the
     runs left (it includes the launcher's parallelism)."""
 
-    def __init__(self, sweep_dir: Path, total: int, clock: Callable[[], float] = time.monotonic):
-        self.sweep_dir, self.total, self.clock = sweep_dir, total, clock
+    def __init__(
+        self,
+        sweep_dir: Path,
+        total: int,
+        varied: list[str] | tuple[str, ...] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.sweep_dir, self.total, self.varied, self.clock = sweep_dir, total, varied, clock
         self.started = clock()
         self.reported = {
             p.parent for p in sweep_dir.glob("*/summary.json") if finished_summary(p.parent)
@@ -310,10 +333,10 @@ class SweepProgress:
             if outcome.get("reason") == "preempted":  # not an outcome: the run continues
                 if self.stopped.get(run_dir) != outcome.get("error"):
                     self.stopped[run_dir] = outcome.get("error")
-                    lines.append(self._line(outcome))
+                    lines.append(self._line(run_dir, outcome))
                 continue
             self.reported.add(run_dir)
-            lines.append(self._line(outcome))
+            lines.append(self._line(run_dir, outcome))
         return lines
 
     def _new_outcomes(self) -> list[tuple[Path, dict[str, Any]]]:
@@ -333,7 +356,7 @@ class SweepProgress:
                 continue  # replaced while read: the next call sees it
         return [(run_dir, outcome) for _, run_dir, outcome in sorted(found, key=lambda f: f[0])]
 
-    def _line(self, outcome: dict[str, Any]) -> str:
+    def _line(self, run_dir: Path, outcome: dict[str, Any]) -> str:
         k = len(self.reported)
         if outcome.get("reason") == "preempted":
             result = f"{outcome['error']} (it continues when requeued or resumed)"
@@ -347,7 +370,7 @@ class SweepProgress:
             result = f"test error {100 - outcome['test_acc']:.2f} %"
         took = outcome.get("wall_time_s")
         parts = [
-            f"[{k}/{self.total}] {cell(outcome)}",
+            f"[{k}/{self.total}] {cell(outcome, _settings(run_dir, self.varied))}",
             result,
             "?" if took is None else duration(took),
         ]
@@ -360,16 +383,39 @@ class SweepProgress:
         return " | ".join(parts)
 
 
-def cell(record: dict[str, Any]) -> str:
-    """``sync, emulated x4 (16 images per device), seed 0`` from a summary or error record."""
+def cell(record: dict[str, Any], settings: tuple[str, ...] = ()) -> str:
+    """``sync, emulated x4 (16 images per device), seed 0`` from a summary or error record,
+    with ``settings`` (``model.width=4``) before the seed."""
     per_device = record.get("per_device_batch_size", "?")
     if isinstance(per_device, float):
         per_device = f"{per_device:.3g}"
-    return (
-        f"{record.get(VARIANT_GROUP, '?')}, {record.get('parallel', '?')} "
-        f"x{record.get('devices', '?')} ({per_device} images per device), "
-        f"seed {record.get('seed', '?')}"
+    return ", ".join(
+        [
+            f"{record.get(VARIANT_GROUP, '?')}",
+            f"{record.get('parallel', '?')} x{record.get('devices', '?')} "
+            f"({per_device} images per device)",
+            *settings,
+            f"seed {record.get('seed', '?')}",
+        ]
     )
+
+
+def _settings(run_dir: Path, keys: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``key=value`` for each of ``keys`` from the run's config.yaml (``?`` where the run
+    failed before it wrote one); a config group gives its ``name``."""
+    if not keys:
+        return ()
+    try:
+        cfg = OmegaConf.load(run_dir / "config.yaml")
+    except (OSError, ValueError):
+        cfg = OmegaConf.create()
+    values = []
+    for key in keys:
+        value = OmegaConf.select(cfg, key, default="?")
+        if isinstance(value, DictConfig):
+            value = value.get("name", "?")
+        values.append(f"{key}={value}")
+    return tuple(values)
 
 
 def _finite(value: Any) -> bool:

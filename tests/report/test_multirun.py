@@ -7,7 +7,7 @@ import os
 from conftest import TINY, compose_config
 from omegaconf import open_dict
 
-from syncbn_lab.multirun import ERROR_FILE, SweepProgress, job_count, run_job
+from syncbn_lab.multirun import ERROR_FILE, SweepProgress, job_count, run_job, varied_keys
 from syncbn_lab.train import run
 
 RUN = [*TINY, "trainer.max_steps=2"]
@@ -73,6 +73,38 @@ def test_job_count_is_the_product_of_the_sweeps_comma_lists():
     # the command line wins for a key the experiment sweeps too
     assert job_count(["experiment=bn_vs_syncbn_1epoch", "bn=brn", "parallel.devices=8,16"]) == 2 * 4
     assert job_count([*TINY, "bn=bn,sync,gn", "trainer.seed=0,1"]) == 3 * 2
+
+
+def test_varied_keys_are_the_settings_that_tell_the_jobs_apart_beyond_the_cell():
+    # configs/experiment/nbs_depth.yaml sweeps seeds, model.width and parallel.devices
+    assert varied_keys([["experiment=nbs_depth"]]) == ["model.width"]
+    assert varied_keys([["experiment=bn_vs_syncbn_1epoch"]]) == []  # bn, devices, seeds
+    assert varied_keys([[*TINY, "model.width=4,8", "data.heterogeneity=0.4"]]) == ["model.width"]
+    parts = [[*TINY, "parallel.devices=8"], [*TINY, "bn=sync", "bn.group_size=16"]]
+    assert varied_keys(parts) == ["bn.group_size"]  # set in one part only
+    joblib = [*TINY, "hydra/launcher=joblib"]
+    launched = [[*joblib, "hydra.launcher.n_jobs=2"], [*joblib, "hydra.launcher.n_jobs=1"]]
+    assert varied_keys(launched) == []  # how the jobs launch, not what they train
+
+
+def test_sweep_progress_names_the_varied_settings_from_each_run_s_config(tmp_path):
+    record = {"bn": "bn", "parallel": "emulated", "devices": 128, "per_device_batch_size": 2}
+    result = {"test_acc": 93.62, "train_loss": 0.03, "steps": 6, "wall_time_s": 5.0}
+    finished = {**record, "seed": 3, **result}
+    ran, failed = tmp_path / "0_bn_emulated128_s3", tmp_path / "1_bn_emulated128_s3"
+    ran.mkdir()
+    failed.mkdir()
+    (ran / "config.yaml").write_text("model:\n  name: resnet20\n  width: 16\n")
+    progress = SweepProgress(tmp_path, total=2, varied=["model", "model.width"], clock=lambda: 0.0)
+    (ran / "summary.json").write_text(json.dumps(finished))
+    (failed / ERROR_FILE).write_text(json.dumps({**record, "error": "boom"}))
+    os.utime(ran / "summary.json", (100, 100))  # it landed first
+    assert progress.poll() == [
+        "[1/2] bn, emulated x128 (2 images per device), model=resnet20, model.width=16, seed 3 "
+        "| test error 6.38 % | 5.0 s | about 0.0 s left",
+        "[2/2] bn, emulated x128 (2 images per device), model=?, model.width=?, seed ? "
+        "| failed: boom | ? | all runs done",
+    ]
 
 
 def test_sweep_progress_says_each_run_once_with_its_result_and_the_time_left(tmp_path):
