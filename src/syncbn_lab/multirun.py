@@ -286,7 +286,9 @@ def varied_keys(runs: list[list[str]]) -> list[str]:
     for each ``overrides`` in ``runs``, other than :data:`CELL_SETTINGS` and Hydra's own (how
     the jobs launch), in the order they first appear: what tells a sweep's runs apart beyond
     the cell."""
-    every = [dict(o.lstrip("+~").split("=", 1) for o in job) for run in runs for job in jobs(run)]
+    every = [
+        dict(o.lstrip("+~").partition("=")[::2] for o in job) for run in runs for job in jobs(run)
+    ]  # key -> value of each job's overrides ("~key" deletes: value "")
     keys = dict.fromkeys(key for job in every for key in job if not key.startswith("hydra"))
     return [
         key for key in keys if key not in CELL_SETTINGS and len({job.get(key) for job in every}) > 1

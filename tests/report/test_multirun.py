@@ -82,6 +82,8 @@ def test_varied_keys_are_the_settings_that_tell_the_jobs_apart_beyond_the_cell()
     assert varied_keys([[*TINY, "model.width=4,8", "data.heterogeneity=0.4"]]) == ["model.width"]
     parts = [[*TINY, "parallel.devices=8"], [*TINY, "bn=sync", "bn.group_size=16"]]
     assert varied_keys(parts) == ["bn.group_size"]  # set in one part only
+    deleted = [[*TINY, "~study"], [*TINY, "study=a"]]
+    assert varied_keys(deleted) == ["study"]
     joblib = [*TINY, "hydra/launcher=joblib"]
     launched = [[*joblib, "hydra.launcher.n_jobs=2"], [*joblib, "hydra.launcher.n_jobs=1"]]
     assert varied_keys(launched) == []  # how the jobs launch, not what they train
