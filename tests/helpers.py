@@ -71,3 +71,11 @@ def as_in_a_terminal() -> None:
     as a terminal leaves it. A shell that starts the test suite as a background job without
     job control ignores SIGINT, and the child would inherit that and never see the Ctrl-C."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def live_members(group: int) -> list[str]:
+    """``ps`` lines (state, command) of the processes of a process group that still run (a
+    zombie has ended)."""
+    ps = ["ps", "-o", "stat=,args=", "-g", str(group)]
+    listed = subprocess.run(ps, capture_output=True, text=True).stdout.splitlines()
+    return [line for line in listed if not line.startswith("Z")]

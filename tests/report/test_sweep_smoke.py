@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 from conftest import ROOT
-from helpers import as_in_a_terminal
+from helpers import as_in_a_terminal, live_members
 
 from syncbn_lab import archive
 from syncbn_lab.engine.precision import resolve
@@ -179,9 +179,7 @@ def test_a_sweep_stopped_by_ctrl_c_leaves_no_process_and_resumes_to_the_same_rep
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole group
         proc.wait(timeout=60)
         time.sleep(2)
-        group = ["ps", "-o", "stat=,args=", "-g", str(proc.pid)]
-        listed = subprocess.run(group, capture_output=True, text=True).stdout.splitlines()
-        alive = [line for line in listed if not line.startswith("Z")]  # zombies are dead
+        alive = live_members(proc.pid)
         assert alive == [], f"Ctrl-C left processes of the sweep behind: {alive}"
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 from conftest import ROOT, TINY
-from helpers import TRAIN, as_in_a_terminal, assert_one_line_error, train_cli
+from helpers import TRAIN, as_in_a_terminal, assert_one_line_error, live_members, train_cli
 
 from syncbn_lab.engine import checkpoint, preemption
 from syncbn_lab.errors import Diverged, Preempted
@@ -185,19 +185,12 @@ def test_ctrl_c_of_a_ddp_run_stops_every_rank(tmp_path):
         # The forkserver leaves when the launcher has gone, after its interpreter's teardown
         # (about 0.7 s with torch imported on an idle 2-core machine, longer under load).
         deadline = time.monotonic() + 30
-        while (left := _live_members(proc.pid)) and time.monotonic() < deadline:
+        while (left := live_members(proc.pid)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert left == []
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _live_members(group: int) -> list[str]:
-    """The processes of a process group that still run (a zombie has ended)."""
-    ps = ["ps", "-o", "stat=,args=", "-g", str(group)]
-    listed = subprocess.run(ps, capture_output=True, text=True).stdout.splitlines()
-    return [line for line in listed if not line.startswith("Z")]
 
 
 @pytest.mark.parametrize("case", ["truncated", "another model"])  # the rest: test_checkpoint
