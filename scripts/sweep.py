@@ -52,7 +52,7 @@ from syncbn_lab import archive
 from syncbn_lab.cli import exit_on_user_error
 from syncbn_lab.errors import UserError, one_line
 from syncbn_lab.logging.console import display_path
-from syncbn_lab.multirun import SweepProgress, job_count, varied_keys
+from syncbn_lab.multirun import SweepProgress, jobs, varied_keys
 from syncbn_lab.provenance import cpu_isa, cpu_model
 from syncbn_lab.sweep import (
     LOG,
@@ -166,8 +166,7 @@ def main() -> None:
         for part in record["parts"]
     ]
     try:
-        total = sum(job_count(arguments) for arguments in runs)
-        varied = varied_keys(runs)
+        planned = [job for arguments in runs for job in jobs(arguments)]
     except Exception as e:  # a bad override: Hydra's message as one line, nothing written
         sys.exit(f"error: {' '.join(str(e).split())}")
     if args.resume is None:
@@ -177,7 +176,7 @@ def main() -> None:
     wall_file = sweep_dir / "wall_time_s"
     earlier = float(wall_file.read_text()) if wall_file.exists() else 0.0
     start = time.perf_counter()
-    progress = SweepProgress(sweep_dir, total, varied)
+    progress = SweepProgress(sweep_dir, len(planned), varied_keys(planned))
     attempt = archive.start_attempt(sweep_dir, machine())
     packed_into = ROOT / record["archive"] if record.get("archive") else None
 

@@ -272,26 +272,23 @@ def jobs(overrides: list[str]) -> list[list[str]]:
     return batch
 
 
-def job_count(overrides: list[str]) -> int:
-    """How many jobs ``scripts/train.py -m <overrides>`` launches (see :func:`jobs`)."""
-    return len(jobs(overrides))
+CELL_NAMES = (VARIANT_GROUP, "parallel", "devices", "seed")
+"""The keys of :data:`CELL_KEYS` that :func:`cell` names for every run."""
 
 
-CELL_SETTINGS = (VARIANT_GROUP, "parallel", "parallel.devices", "trainer.seed")
-"""The overrides that choose what :func:`cell` names for every run."""
-
-
-def varied_keys(runs: list[list[str]]) -> list[str]:
-    """The settings whose value differs between the jobs of ``scripts/train.py -m <overrides>``
-    for each ``overrides`` in ``runs``, other than :data:`CELL_SETTINGS` and Hydra's own (how
-    the jobs launch), in the order they first appear: what tells a sweep's runs apart beyond
-    the cell."""
-    every = [
-        dict(o.lstrip("+~").partition("=")[::2] for o in job) for run in runs for job in jobs(run)
-    ]  # key -> value of each job's overrides ("~key" deletes: value "")
+def varied_keys(planned: list[list[str]]) -> list[str]:
+    """The settings whose value differs between the ``planned`` jobs (each its overrides, as
+    :func:`jobs` gives them), other than those :func:`cell` names and Hydra's own (how the
+    jobs launch), in the order they first appear: what tells a sweep's runs apart beyond the
+    cell."""
+    named = {CELL_KEYS[name] for name in CELL_NAMES}  # bn.name, parallel.name, ...
+    # key -> value of each job's overrides ("~key" deletes: value "")
+    every = [dict(o.lstrip("+~").partition("=")[::2] for o in job) for job in planned]
     keys = dict.fromkeys(key for job in every for key in job if not key.startswith("hydra"))
     return [
-        key for key in keys if key not in CELL_SETTINGS and len({job.get(key) for job in every}) > 1
+        key
+        for key in keys
+        if not {key, f"{key}.name"} & named and len({job.get(key) for job in every}) > 1
     ]
 
 

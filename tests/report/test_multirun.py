@@ -7,7 +7,7 @@ import os
 from conftest import TINY, compose_config
 from omegaconf import open_dict
 
-from syncbn_lab.multirun import ERROR_FILE, SweepProgress, job_count, run_job, varied_keys
+from syncbn_lab.multirun import ERROR_FILE, SweepProgress, jobs, run_job, varied_keys
 from syncbn_lab.train import run
 
 RUN = [*TINY, "trainer.max_steps=2"]
@@ -67,26 +67,29 @@ def test_skip_finished_refuses_a_finished_run_of_another_config(tmp_path):
     assert "trainer.max_steps)" in error
 
 
-def test_job_count_is_the_product_of_the_sweeps_comma_lists():
+def test_the_jobs_are_the_product_of_the_sweeps_comma_lists():
     # configs/experiment/bn_vs_syncbn_1epoch.yaml: bn, sync x devices 1 ... 64 x seeds 0 ... 3
-    assert job_count(["experiment=bn_vs_syncbn_1epoch"]) == 2 * 7 * 4
+    assert len(jobs(["experiment=bn_vs_syncbn_1epoch"])) == 2 * 7 * 4
     # the command line wins for a key the experiment sweeps too
-    assert job_count(["experiment=bn_vs_syncbn_1epoch", "bn=brn", "parallel.devices=8,16"]) == 2 * 4
-    assert job_count([*TINY, "bn=bn,sync,gn", "trainer.seed=0,1"]) == 3 * 2
+    assert len(jobs(["experiment=bn_vs_syncbn_1epoch", "bn=brn", "parallel.devices=8,16"])) == 2 * 4
+    assert len(jobs([*TINY, "bn=bn,sync,gn", "trainer.seed=0,1"])) == 3 * 2
 
 
 def test_varied_keys_are_the_settings_that_tell_the_jobs_apart_beyond_the_cell():
     # configs/experiment/nbs_depth.yaml sweeps seeds, model.width and parallel.devices
-    assert varied_keys([["experiment=nbs_depth"]]) == ["model.width"]
-    assert varied_keys([["experiment=bn_vs_syncbn_1epoch"]]) == []  # bn, devices, seeds
-    assert varied_keys([[*TINY, "model.width=4,8", "data.heterogeneity=0.4"]]) == ["model.width"]
+    def planned(*parts):
+        return [job for part in parts for job in jobs(part)]
+
+    assert varied_keys(planned(["experiment=nbs_depth"])) == ["model.width"]
+    assert varied_keys(planned(["experiment=bn_vs_syncbn_1epoch"])) == []  # bn, devices, seeds
+    widths = [*TINY, "model.width=4,8", "data.heterogeneity=0.4"]
+    assert varied_keys(planned(widths)) == ["model.width"]
     parts = [[*TINY, "parallel.devices=8"], [*TINY, "bn=sync", "bn.group_size=16"]]
-    assert varied_keys(parts) == ["bn.group_size"]  # set in one part only
-    deleted = [[*TINY, "~study"], [*TINY, "study=a"]]
-    assert varied_keys(deleted) == ["study"]
+    assert varied_keys(planned(*parts)) == ["bn.group_size"]  # set in one part only
+    assert varied_keys(planned([*TINY, "~study"], [*TINY, "study=a"])) == ["study"]
     joblib = [*TINY, "hydra/launcher=joblib"]
     launched = [[*joblib, "hydra.launcher.n_jobs=2"], [*joblib, "hydra.launcher.n_jobs=1"]]
-    assert varied_keys(launched) == []  # how the jobs launch, not what they train
+    assert varied_keys(planned(*launched)) == []  # how the jobs launch, not what they train
 
 
 def test_sweep_progress_names_the_varied_settings_from_each_run_s_config(tmp_path):
