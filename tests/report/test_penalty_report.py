@@ -68,7 +68,12 @@ def studies(tmp_path, monkeypatch):
 def test_the_penalty_its_trend_what_it_tracks_and_the_remedy(studies, tmp_path):
     source = Source(spec_of("nbs_penalty"), collect_runs(studies), "python scripts/report.py x")
     out = tmp_path / "report"
-    assert render(source, out) == ["README.md", "penalty.png", "results.csv"]
+    assert render(source, out) == [
+        "README.md",
+        penalty_report.HEADLINE,
+        "penalty.png",
+        "results.csv",
+    ]
     text = (out / "README.md").read_text()
     for width, (_, penalties, loss, noise) in WIDTHS.items():
         mean, std = statistics.fmean(penalties), statistics.stdev(penalties)

@@ -29,13 +29,14 @@ from syncbn_lab.report.cells import Cell, Cells
 from syncbn_lab.report.collect import train_loss
 from syncbn_lab.report.comparisons import cell_table
 from syncbn_lab.report.papers import mark, papers
-from syncbn_lab.report.plots import save, subplots
+from syncbn_lab.report.plots import log2_axis, save, subplots
 from syncbn_lab.report.source import Source
 from syncbn_lab.report.spec import Trend, repository
 from syncbn_lab.report.stats import (
     ALPHA,
     Paired,
     difference_noise,
+    mean_std,
     recovered,
     spearman,
     trend,
@@ -371,36 +372,197 @@ def claims(s: PenaltyStudy) -> list[str]:
 
 
 PLOT = "penalty.png"
+HEADLINE = "test_error_vs_normalization_batch.png"
+"""The report's first figure, the README's headline: test error against the normalisation
+batch along :data:`HEADLINE_TREND`, with the remedies marked."""
+HEADLINE_TREND = "underfitting"
+"""The declared trend whose configurations the headline figure draws, one line each."""
+MARKERS = "osD^v<>ph*"
 
 
 def write_plot(s: PenaltyStudy, path) -> None:
     """The penalty of each configuration (mean and 95 % interval over seeds) against each
-    figure of :data:`TRACKED`, one panel each, the float32 noise of a difference shaded."""
-    fig, axes = subplots(1, len(TRACKED), figsize=(5.2 * len(TRACKED), 4.2), sharey=True)
+    figure of :data:`TRACKED`, one panel each, the float32 noise of a difference shaded; one
+    colour and marker a configuration, named in one legend below the panels."""
+    fig, legend_rows = penalty_figure(s)
+    save(fig, path, rect=(0, 0.055 * legend_rows, 1, 1))
+
+
+def penalty_figure(s: PenaltyStudy):
+    """The figure of :func:`write_plot` and the rows its legend takes below the panels."""
+    fig, axes = subplots(1, len(TRACKED), figsize=(4.4 * len(TRACKED), 4.6), sharey=True)
+    handles = {}
     for ax, (name, figure) in zip(axes, TRACKED, strict=True):
-        for i, c in enumerate(s.by_config.values()):  # one colour a configuration
+        for i, c in enumerate(s.by_config.values()):  # one colour and marker a configuration
             values = figure(s, c)
             if c.penalty.n < 2 or not values:
                 continue
-            x = statistics.fmean(values)
-            ax.errorbar(x, c.penalty.mean, yerr=c.penalty.half_interval, fmt="o", capsize=3,
-                        color=f"C{i % 10}")  # fmt: skip
-            ax.annotate(_config_label(c.config), (x, c.penalty.mean), textcoords="offset points",
-                        xytext=(4, 4), fontsize=6)  # fmt: skip
+            handles[_config_label(c.config)] = ax.errorbar(
+                statistics.fmean(values), c.penalty.mean, yerr=c.penalty.half_interval,
+                fmt=MARKERS[i % len(MARKERS)], capsize=3, color=f"C{i % 10}", markersize=6,
+            )  # fmt: skip
         ax.axhspan(-s.noise, s.noise, color="grey", alpha=0.15, lw=0)
         ax.axhline(0, color="grey", lw=0.8)
-        ax.set_xlabel(name)
-    axes[0].set_ylabel("penalty (pp), mean and 95 % interval")
-    save(fig, path)
+        ax.set_xlabel(name, fontsize=9)
+        ax.grid(True, alpha=0.3)
+    small, whole = _batches(s)
+    axes[0].set_ylabel(f"penalty (pp): error at {small} images − at {whole}\n"
+                       "mean and 95 % interval")  # fmt: skip
+    from matplotlib.patches import Patch
+
+    handles[f"the float32 noise of a difference (± {s.noise:.2f} pp)"] = Patch(
+        color="grey", alpha=0.15, lw=0
+    )
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=2, fontsize=8.5,
+               frameon=False)  # fmt: skip
+    return fig, math.ceil(len(handles) / 2)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One cell of the headline figure: its configuration's label along the trend, the
+    variant, its devices, the normalisation batch, whether it is a cell of the ``remedy``
+    comparison, and its test error over seeds."""
+
+    line: str
+    loss: float  # the configuration's final training loss at the whole batch (mean)
+    variant: str
+    devices: int
+    batch: int
+    remedy: bool
+    error: Paired  # mean and std over seeds (a cell's values, not a difference)
+
+
+def headline_points(s: PenaltyStudy) -> list[Point]:
+    """Every cell of each configuration along :data:`HEADLINE_TREND`, in the trend's order,
+    with its test error (mean, std over seeds): what the headline figure draws."""
+    t = s.cells.spec.trends.get(HEADLINE_TREND)
+    remedy = s.cells.spec.comparison(REMEDY).cells if REMEDY in s.cells.spec.comparisons else {}
+    out = []
+    for c in s.along(t) if t else []:
+        if c is None:
+            continue
+        line, loss = _value(t.vary, c.config[t.vary]), mean_std(s.loss(c))[0]
+        for cell in s.cells.select(dict(zip(c.config.keys, c.config.values, strict=True))):
+            errors = list(s.cells.seeds(cell).values())
+            if errors:
+                error = Paired(*mean_std(errors), len(errors), math.nan)
+                is_remedy = bool(remedy) and s.cells.matches(cell, remedy)
+                out.append(Point(line, loss, cell[GROUP], cell["devices"], cell[BATCH],
+                                 is_remedy, error))  # fmt: skip
+    return out
+
+
+def _remedy_label(p: Point, whole: int) -> str:
+    """A remedy cell as the legend names it: bn on 8 devices, or SyncBN in groups of 16."""
+    if p.variant == "bn":
+        return f"remedy: bn on {p.devices} devices ({p.batch} images)"
+    group = p.batch * p.devices // whole
+    return f"remedy: SyncBN in groups of {group} on {p.devices} devices ({p.batch} images)"
+
+
+def headline_figure(s: PenaltyStudy, points: list[Point]):
+    """Test error against the normalisation batch: per-device BN of each configuration as
+    one line, labelled at its whole-batch end with its final training loss there; the remedy
+    cells marked (bn's hollow square on its line, SyncBN's hollow diamond beside it); mean
+    and 95 % interval over seeds."""
+    from matplotlib.lines import Line2D
+
+    fig, ax = subplots(figsize=(8.0, 4.6))
+    whole = max((p.batch for p in points), default=2)
+    legend = {"per-device BN (bn), 1 to 128 devices": Line2D([], [], color="black", marker="o",
+                                                            markersize=5)}  # fmt: skip
+    ends = []  # (y, label, colour) of each line's whole-batch end
+    for i, name in enumerate(dict.fromkeys(p.line for p in points)):
+        colour = f"C{i % 10}"
+        mine = [p for p in points if p.line == name]
+        bn = sorted((p for p in mine if p.variant == "bn"), key=lambda p: p.batch)
+        ax.errorbar([p.batch for p in bn], [p.error.mean for p in bn],
+                    yerr=[p.error.half_interval for p in bn], fmt="-o", color=colour,
+                    capsize=3, markersize=5)  # fmt: skip
+        for p in (p for p in mine if p.remedy):
+            marker = "s" if p.variant == "bn" else "D"
+            x = p.batch if p.variant == "bn" else p.batch * 1.18  # beside bn's, not on it
+            ax.errorbar(x, p.error.mean, yerr=p.error.half_interval, fmt=marker, color=colour,
+                        mfc="white", mew=1.5, capsize=3, markersize=8)  # fmt: skip
+            legend.setdefault(_remedy_label(p, whole), Line2D([], [], ls="", marker=marker,
+                              color="black", mfc="white", mew=1.5, markersize=8))  # fmt: skip
+        loss = mine[0].loss
+        label = name if math.isnan(loss) else f"{name}\nfinal training loss {loss:.3f}"
+        ends.append((bn[-1].error.mean, label, colour))
+    _label_ends(ax, ends, x=whole)
+    log2_axis(ax, sorted({p.batch for p in points}))
+    ax.set_xlim(1.6, whole * 12)
+    ax.set_xlabel(f"images one BN layer normalises over (global batch {whole})")
+    ax.set_ylabel("test error (%), mean and 95 % interval")
+    ax.set_title(_headline_title(s, points), fontsize=10)
+    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=1, fontsize=8.5,
+               frameon=False)  # fmt: skip
+    return fig, len(legend)
+
+
+def _label_ends(ax, ends: list[tuple[float, str, str]], x: float, gap: float = 0.11) -> None:
+    """Each line's label right of its end at ``x``, moved apart vertically to at least
+    ``gap`` of the y axis's span (a thin line joins a moved label to its end)."""
+    low, high = ax.get_ylim()
+    step, placed = gap * (high - low), []
+    for y, label, colour in sorted(ends):
+        at = max(y, placed[-1] + step) if placed else y
+        placed.append(at)
+        ax.annotate(label, (x, y), xytext=(x * 1.25, at), textcoords="data", va="center",
+                    fontsize=9, color=colour,
+                    arrowprops={"arrowstyle": "-", "color": colour, "lw": 0.6, "alpha": 0.6}
+                    if abs(at - y) > 1e-9 else None)  # fmt: skip
+
+
+def _headline_title(s: PenaltyStudy, points: list[Point]) -> str:
+    """What the figure shows: the model, the data and the seeds of a cell."""
+    along = [c for c in s.along(s.cells.spec.trends[HEADLINE_TREND]) if c is not None]
+    runs = [r for c in along for r in s.cells.by_cell.get(c.whole, [])]
+    model = " / ".join(sorted({str(r["model"]) for r in runs})) or "the model"
+    data = " / ".join(sorted({str(r["dataset"]) for r in runs})) or "the data"
+    seeds = sorted({p.error.n for p in points})
+    each = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]}"
+    return f"{model} on {data}: test error of {each} seeds a cell"
+
+
+def write_headline(s: PenaltyStudy, path) -> bool:
+    """The headline figure into ``path``; False (nothing written) without its trend."""
+    points = headline_points(s)
+    if not points:
+        return False
+    fig, legend_rows = headline_figure(s, points)
+    save(fig, path, rect=(0, 0.05 * legend_rows, 1, 1))
+    return True
 
 
 def write(source: Source, out_dir) -> list[str]:
     """README.md, the plot and results.csv of the penalty report."""
     cells = source.cells()
     study = PenaltyStudy(cells, difference_noise(source.noise["test_error"].std))
+    headline = [HEADLINE] if write_headline(study, out_dir / HEADLINE) else []
     write_plot(study, out_dir / PLOT)
     (out_dir / "README.md").write_text(markdown(source, cells, study))
-    return ["README.md", PLOT, *source.write_results(out_dir, cells)]
+    return ["README.md", *headline, PLOT, *source.write_results(out_dir, cells)]
+
+
+def _headline_section(s: PenaltyStudy) -> list[str]:
+    """The headline figure under its own heading, where the report draws it."""
+    if not headline_points(s):
+        return []
+    t = s.cells.spec.trends[HEADLINE_TREND]
+    along = " → ".join(_value(t.vary, v) for v in t.values)
+    return [
+        "## Test error against the normalisation batch",
+        "",
+        f"Per-device BN of each configuration along {HEADLINE_TREND} ({along}), one line each "
+        "and labelled with its final training loss at the whole batch, and the remedy cells "
+        "marked; each point is a cell's mean test error and the 95 % interval of that mean "
+        "(t over its seeds).",
+        "",
+        f"![Test error against the normalisation batch]({HEADLINE})",
+        "",
+    ]
 
 
 def markdown(source: Source, cells: Cells, s: PenaltyStudy) -> str:
@@ -420,6 +582,7 @@ def markdown(source: Source, cells: Cells, s: PenaltyStudy) -> str:
         "",
         *claims(s),
         "",
+        *_headline_section(s),
         "## The penalty per configuration",
         "",
         *penalty_table(s),

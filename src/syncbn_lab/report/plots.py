@@ -57,11 +57,12 @@ def log2_axis(ax, ticks=None, which: str = "major") -> None:
     ax.grid(True, which=which, alpha=0.3)
 
 
-def save(fig, path: Path) -> None:
-    """Lay out ``fig``, write it to ``path`` and free it."""
+def save(fig, path: Path, rect: tuple[float, float, float, float] | None = None) -> None:
+    """Lay out ``fig`` (its axes within ``rect``, figure fractions, where a legend below them
+    needs room), write it to ``path`` and free it."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
 
