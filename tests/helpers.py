@@ -79,3 +79,16 @@ def live_members(group: int) -> list[str]:
     ps = ["ps", "-o", "stat=,args=", "-g", str(group)]
     listed = subprocess.run(ps, capture_output=True, text=True).stdout.splitlines()
     return [line for line in listed if not line.startswith("Z")]
+
+
+def markdown_table(text: str, head: str) -> list[list[str]]:
+    """The body rows of the markdown table in ``text`` whose header line starts with ``head``,
+    each as its stripped cells."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(head))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split(" | ")])
+    return rows

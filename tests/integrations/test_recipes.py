@@ -1,4 +1,4 @@
-"""README's recipe for plain DDP and for torchvision's references/classification/train.py
+"""docs/library.md's recipe for plain DDP and for torchvision's references/classification/train.py
 (`--sync-bn` with our converter in place of torch's): a torchvision resnet18 converted by
 convert_sync_batchnorm and wrapped in DDP on 2 CPU gloo ranks trains two SGD steps exactly
 as full-batch BatchNorm2d on the union of the ranks' batches (float64), where torch's own
