@@ -72,7 +72,7 @@ build-ext: setup ## Rebuild the C++/CUDA extension syncbn_lab._C in place
 	$(PIP) install --quiet --no-build-isolation --no-deps -e .
 
 # `make bench` writes each script's JSON (records + commit and machine) here; the committed
-# files under reports/bench_cpu/ back the README's CPU figures. The GPU benchmark
+# files under reports/bench_cpu/ back docs/performance.md's CPU figures. The GPU benchmark
 # (scripts/bench_kernels.py) runs in `bash scripts/gpu_check.sh` on a machine with a GPU.
 BENCH_DIR ?= reports/bench_cpu
 
