@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -12,6 +13,18 @@ from syncbn_lab.config import compose as compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = str(_CONFIG_DIR)
+
+# Hypothesis (tests/train/test_config_fuzz.py): the suite's run is bounded and repeatable (a
+# fixed seed, no example database in the checkout); --hypothesis-profile=fuzz, or
+# HYPOTHESIS_PROFILE=fuzz, draws 20,000 examples with a new seed each time.
+with contextlib.suppress(ImportError):
+    from hypothesis import settings
+
+    settings.register_profile(
+        "suite", max_examples=300, derandomize=True, database=None, deadline=None
+    )
+    settings.register_profile("fuzz", max_examples=20_000, database=None, deadline=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")

@@ -6,14 +6,17 @@ any process starts or any file is written.
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 import syncbn_lab.resolvers  # noqa: F401 - registers the configs' ${mul:...}
-from syncbn_lab.checks import in_range, positive
+from syncbn_lab.checks import boolean, in_range, one_of, positive, text, texts, whole
 from syncbn_lab.errors import ConfigError
 from syncbn_lab.machine import available_cores, torchrun_env
 from syncbn_lab.parallel.modes import mode
@@ -101,24 +104,137 @@ def validate(cfg: DictConfig) -> RunShape:
     return derive(cfg)
 
 
-# Numeric config values and their allowed interval (low, high, low itself allowed), checked
-# where the composed config has the key; None = unbounded.
-_RANGES = {
-    "bn.eps": (0.0, None, False),
-    "bn.momentum": (0.0, 1.0, True),
-    "optim.lr": (0.0, None, True),
-    "optim.momentum": (0.0, None, True),
-    "optim.weight_decay": (0.0, None, True),
-    "optim.eps": (0.0, None, False),
-    "sched.warmup_epochs": (0.0, None, True),
-    "sched.warmup_start_ratio": (0.0, 1.0, True),
-    "sched.min_lr_ratio": (0.0, 1.0, True),
-    "sched.pct_start": (0.0, 1.0, False),
-    "sched.div_factor": (0.0, None, False),
-    "sched.final_div_factor": (0.0, None, False),
-    "sched.gamma": (0.0, None, False),
+def _number(
+    low: float,
+    high: float | None = None,
+    low_allowed: bool = True,
+    high_allowed: bool = True,
+    nullable: bool = False,
+) -> Callable[[Any, str], None]:
+    """The check of a finite number in (low, high), each end included when allowed."""
+    return functools.partial(
+        in_range,
+        low=low,
+        high=high,
+        low_allowed=low_allowed,
+        high_allowed=high_allowed,
+        nullable=nullable,
+    )
+
+
+_FRACTION = _number(0.0, 1.0)  # [0, 1]
+_OPEN_FRACTION = _number(0.0, 1.0, low_allowed=False, high_allowed=False)  # (0, 1)
+_ABOVE_0 = _number(0.0, low_allowed=False)  # (0, inf)
+_AT_LEAST_0 = _number(0.0)  # [0, inf)
+_SEED = functools.partial(whole, high=2**32 - 1)  # what every generator (numpy's too) takes
+_NULLABLE_TEXT = functools.partial(text, nullable=True)
+
+# Keys of the composed config and their check, applied where the config has the key (the
+# data, model, bn, optim, sched and logger groups' options differ in their keys). The keys
+# checked elsewhere: validate's own (trainer's counts), the names (_check_components),
+# bn.* of a variant (variants.py), parallel.* of a mode (parallel/modes.py).
+_KEYS: dict[str, Callable[[Any, str], None]] = {
+    "study": text,
+    "skip_finished": boolean,
+    "trainer.seed": _SEED,
+    "trainer.deterministic": boolean,
+    "trainer.num_workers": whole,
+    "trainer.grad_clip": _number(0.0, low_allowed=False, nullable=True),
+    "trainer.threads": functools.partial(whole, low=1, nullable=True),
+    "trainer.precise_bn_batches": whole,
+    "trainer.resume": _NULLABLE_TEXT,
+    "model.zero_init_residual": boolean,
+    "model.small_input_stem": boolean,
+    "bn.eps": _ABOVE_0,
+    "bn.momentum": _number(0.0, 1.0, nullable=True),  # null = cumulative average
+    "parallel.broadcast_buffers": boolean,
+    "parallel.find_unused_parameters": boolean,
+    "parallel.loss_in_module": boolean,
+    "optim.lr": _AT_LEAST_0,
+    "optim.momentum": _number(0.0, 1.0, high_allowed=False),
+    "optim.nesterov": boolean,
+    "optim.weight_decay": _AT_LEAST_0,
+    "optim.eps": _ABOVE_0,
+    "optim.exclude_norm_and_bias": boolean,
+    "sched.warmup_epochs": _AT_LEAST_0,
+    "sched.warmup_start_ratio": _FRACTION,
+    "sched.min_lr_ratio": _FRACTION,
+    "sched.pct_start": _number(0.0, 1.0, low_allowed=False),
+    "sched.div_factor": _ABOVE_0,
+    "sched.final_div_factor": _ABOVE_0,
+    "sched.gamma": _ABOVE_0,
+    "logger.mode": functools.partial(one_of, choices=("offline", "online", "disabled")),
+    "logger.project": text,
+    "logger.entity": _NULLABLE_TEXT,
+    "logger.group": _NULLABLE_TEXT,
+    "logger.tags": texts,
+    "logger.run_name": _NULLABLE_TEXT,
+    "data.root": text,
+    "data.download": boolean,
+    "data.download_timeout": _ABOVE_0,
+    "data.verify_checksums": boolean,
+    "data.normalize": boolean,
+    "data.augment": boolean,
+    "data.crop_padding": whole,
+    "data.hflip": boolean,
+    "data.augment_seed": _SEED,
+    "data.heterogeneity": _number(0.0, 1.0, high_allowed=False),
+    "data.heterogeneity_seed": _SEED,
+    "data.val_size": positive,
+    "data.split_seed": _SEED,
+    "data.val_fraction": _OPEN_FRACTION,
+    "data.test_fraction": _OPEN_FRACTION,
+    "data.train_dir": text,
+    "data.val_dir": text,
+    "data.test_dir": text,
+    "data.image_size": positive,
+    "data.channels": positive,
+    "data.in_memory": boolean,
+    "data.num_train": positive,
+    "data.num_val": positive,
+    "data.num_test": positive,
+    "data.num_classes": functools.partial(whole, low=2),
+    "data.noise_std": _AT_LEAST_0,
+    "data.seed": _SEED,
 }
-_NULLABLE = {"bn.momentum"}  # null = cumulative average
+LOGGERS = ("wandb", "none")
+
+
+def _check_keys(cfg: DictConfig) -> None:
+    """Every key of :data:`_KEYS` that ``cfg`` has, then the combinations of them."""
+    for prefix, node in (("", cfg), *((f"{g}.", cfg[g]) for g in (*_OPTION_GROUPS, "trainer"))):
+        for field, value in node.items_ex(resolve=True):
+            check = _KEYS.get(f"{prefix}{field}")
+            if check is not None:
+                check(value, f"{prefix}{field}")
+    data, optim = cfg.data, cfg.optim
+    if optim.get("nesterov") and optim.get("momentum", 0) == 0:
+        raise ConfigError(
+            "optim.nesterov=true needs optim.momentum > 0 (Nesterov momentum without "
+            "momentum); set optim.momentum or optim.nesterov=false"
+        )
+    if "val_fraction" in data and "test_fraction" in data:
+        if data.val_fraction + data.test_fraction >= 1:
+            raise ConfigError(
+                f"data.val_fraction + data.test_fraction = {data.val_fraction} + "
+                f"{data.test_fraction} >= 1 leaves no training images; lower one of them"
+            )
+    if "mean" in data or "std" in data:
+        _check_channel_stats(data)
+
+
+def _check_channel_stats(data: DictConfig) -> None:
+    """data.mean and data.std: one number per channel of data.channels (1 or 3), std > 0."""
+    one_of(str(data.get("channels")), "data.channels", ("1", "3"))
+    for key, low_allowed in (("mean", True), ("std", False)):
+        values = data.get(key)
+        if not OmegaConf.is_list(values) or len(values) != data.channels:
+            raise ConfigError(
+                f"data.{key}={values} must be a list of {data.channels} numbers, one per "
+                "channel of data.channels"
+            )
+        for i, value in enumerate(values):
+            in_range(value, f"data.{key}[{i}]", 0.0, None, low_allowed)
 
 
 def _check_components(cfg: DictConfig) -> NormVariant:
@@ -135,16 +251,15 @@ def _check_components(cfg: DictConfig) -> NormVariant:
     }
     for group, (valid, name) in names.items():
         _known(group, name, valid)
+    for group in _OPTION_GROUPS:
+        _check_option_keys(cfg, group)
     norm = variant(cfg[VARIANT_GROUP].name)
     _known("optim", cfg.optim.name, OPTIMIZERS)
     _known("sched", cfg.sched.name, SCHEDULES)
     if "width" in cfg.model:
         positive(cfg.model.width, "model.width")
-    for key, (low, high, low_allowed) in _RANGES.items():
-        group, field = key.split(".")
-        if field in cfg[group]:
-            nullable = key in _NULLABLE
-            in_range(cfg[group][field], key, low, high, low_allowed, nullable=nullable)
+    _known("logger", cfg.logger.get("name"), LOGGERS)
+    _check_keys(cfg)
     if "betas" in cfg.optim:
         betas = cfg.optim.betas
         if not (OmegaConf.is_list(betas) and len(betas) == 2):
@@ -161,8 +276,31 @@ def _check_components(cfg: DictConfig) -> NormVariant:
                 "e.g. sched.milestones=[0.5,0.75]"
             )
         for i, m in enumerate(milestones):
-            in_range(m, f"sched.milestones[{i}]", 0.0, None, True)
+            in_range(m, f"sched.milestones[{i}]", 0.0, 1.0, True)
     return norm
+
+
+_OPTION_GROUPS = ("data", "model", "bn", "parallel", "optim", "sched", "logger")
+
+
+@functools.cache
+def _option_keys(group: str, name: str) -> frozenset[str] | None:
+    """The keys configs/<group>/<name>.yaml gives its node (None: no such file)."""
+    path = CONFIG_DIR / group / f"{name}.yaml"
+    return frozenset(OmegaConf.load(path)) if path.is_file() else None
+
+
+def _check_option_keys(cfg: DictConfig, group: str) -> None:
+    """``<group>.name`` names an option of the group whose keys the node has: set alone
+    (``bn.name=brn`` on the bn option), it would run with keys the option does not have."""
+    name = cfg[group].get("name")
+    keys = _option_keys(group, name) if isinstance(name, str) else None
+    missing = sorted(keys - set(cfg[group])) if keys is not None else []
+    if missing:
+        raise ConfigError(
+            f"{group}.name={name} but the {group} config lacks {', '.join(missing)} of "
+            f"configs/{group}/{name}.yaml; choose the option with {group}={name}"
+        )
 
 
 def _check_eval_every(value) -> None:
@@ -185,7 +323,7 @@ def _known(group: str, name, valid) -> None:
 
 def _check_callbacks(nodes) -> None:
     """trainer.callbacks: a list of Hydra nodes whose ``_target_`` can be imported."""
-    if not nodes:
+    if nodes is None:
         return
     if not OmegaConf.is_list(nodes):
         raise ConfigError(
