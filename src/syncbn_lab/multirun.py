@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -36,6 +35,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from syncbn_lab.disk import DiskFull, write_atomic
 from syncbn_lab.engine import preemption
 from syncbn_lab.engine.checkpoint import AUTO
 from syncbn_lab.errors import OneLineError, Preempted, UserError, one_line
@@ -152,10 +152,11 @@ def record_failure(
         record["per_device_batch_size"] = total // split if total % split == 0 else total / split
     except (KeyError, TypeError, ZeroDivisionError):
         pass
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / (ERROR_FILE + ".tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, run_dir / ERROR_FILE)  # a sweep's progress never reads half a file
+    try:  # renamed into place: a sweep's progress never reads half a file
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / ERROR_FILE, json.dumps(record) + "\n")
+    except (OSError, DiskFull):  # a full disk: the job's line on the terminal says it
+        pass
 
 
 def clear_unfinished(run_dir: Path) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
+from syncbn_lab.disk import write_atomic
 from syncbn_lab.engine import checkpoint
 from syncbn_lab.engine.checkpoint import AUTO
 from syncbn_lab.errors import ConfigError
@@ -132,9 +133,22 @@ def keep_metrics_until(metrics: Path, step: int) -> None:
     resumed run logs them again."""
     if not metrics.exists():
         return
-    kept = [line for line in metrics.read_text().splitlines(keepends=True) if line.strip()]
-    kept = [line for line in kept if json.loads(line).get("step", 0) <= step]
-    metrics.write_text("".join(kept))
+    kept = [record for record in _records(metrics) if record[1].get("step", 0) <= step]
+    write_atomic(metrics, "".join(line for line, _ in kept))
+
+
+def _records(metrics: Path) -> list[tuple[str, dict]]:
+    """Each line of ``metrics`` with its record; a line cut short (a full disk, a kill in
+    the middle of a write) is left out."""
+    records = []
+    for line in metrics.read_text().splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append((line if line.endswith("\n") else line + "\n", record))
+    return records
 
 
 def check_run_dir(run_dir: Path) -> None:

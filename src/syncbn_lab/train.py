@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from syncbn_lab import models
 from syncbn_lab import run_dir as run_dir_start
 from syncbn_lab.config import validate
+from syncbn_lab.disk import writing
 from syncbn_lab.engine import checkpoint, precision, preemption, preflight
 from syncbn_lab.engine.compute import memory_format
 from syncbn_lab.engine.loop import Loaders, Trainer, step_counts
@@ -80,8 +81,9 @@ def start_in(cfg: DictConfig, run_dir: Path) -> Start:
     prepare_data(cfg.data)  # fetched and checked before anything is written
     run_dir_start.prepare(chosen, run_dir)
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        with writing(run_dir / "config.yaml"):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     except OSError as e:
         raise ConfigError(
             f"cannot write the run dir {run_dir} ({e.strerror}); point hydra.run.dir at a "

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from syncbn_lab.disk import writing
 from syncbn_lab.errors import ConfigError
 
 # What fixes the model's shapes and the order of the batches: a resume must keep them.
@@ -38,11 +39,18 @@ _ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
 
 
 def save_atomic(state: dict[str, Any], path: Path) -> None:
-    """Write to a temporary file in the same folder, then rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Write to a temporary file in the same folder, then rename over ``path``: a full disk
+    (one :class:`~syncbn_lab.disk.DiskFull` line) leaves the checkpoint before as it was."""
+    run_dir = path.parent.parent
+    fix = (
+        f"{path.name} is kept as it was; free space there or move {run_dir} to another disk, "
+        f"then continue with trainer.resume={run_dir}"
+    )
+    with writing(path, fix):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with writing(path, fix), os.fdopen(fd, "wb") as f:
             torch.save(state, f)
         os.replace(tmp, path)
     except BaseException:

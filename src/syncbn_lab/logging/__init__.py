@@ -15,10 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from syncbn_lab.disk import DiskFull, write_atomic, writing
 from syncbn_lab.logging.console import wandb_lines
 
 if TYPE_CHECKING:
     from syncbn_lab.shape import RunShape
+
+
+# what to do when metrics.jsonl or summary.json meets a full disk (a resume keeps the records up
+# to the last checkpoint and writes the rest again)
+RUN_FIX = "free space there, then continue the run from its last checkpoint (trainer.resume)"
 
 
 class NullLogger:
@@ -39,12 +45,15 @@ class RunLogger(NullLogger):
 
     def __init__(self, run_dir: Path, cfg: DictConfig, shape: RunShape):
         self.run_dir = run_dir
-        self.metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.metrics_path = run_dir / "metrics.jsonl"
+        with writing(self.metrics_path, RUN_FIX):
+            self.metrics = open(self.metrics_path, "a", buffering=1)  # noqa: SIM115
         self.wandb_run = _start_wandb(run_dir, cfg, shape) if cfg.logger.name == "wandb" else None
         self.wandb_lines = wandb_lines(self.wandb_run)
 
     def log(self, record: dict[str, Any]) -> None:
-        self.metrics.write(json.dumps(_finite(record)) + "\n")
+        with writing(self.metrics_path, RUN_FIX):
+            self.metrics.write(json.dumps(_finite(record)) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(record, step=record["step"])
 
@@ -54,7 +63,12 @@ class RunLogger(NullLogger):
             self.wandb_run.summary.update(_finite(summary))
 
     def finish(self, exit_code: int = 0) -> None:
-        self.metrics.close()
+        try:
+            with writing(self.metrics_path, RUN_FIX):
+                self.metrics.close()
+        except DiskFull:
+            if exit_code == 0:  # after a failure, the failure is the run's line
+                raise
         if self.wandb_run is not None:
             import wandb
 
@@ -171,6 +185,6 @@ def _finite(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_finite(data), indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    """``data`` as ``path``, written beside it and renamed into place."""
+    text = json.dumps(_finite(data), indent=2, sort_keys=True) + "\n"
+    write_atomic(path, text, RUN_FIX)

@@ -34,14 +34,23 @@ class _Tee(io.TextIOBase):
 
     def write(self, text: str) -> int:
         written = self.stream.write(text)
-        if "\r" not in text:
-            self.log.write(text)
+        if "\r" not in text and not self.log.closed:
+            self._copy(self.log.write, text)
         return written
 
     def flush(self) -> None:
         self.stream.flush()
         if not self.log.closed:  # a Tee left behind after its block ended
-            self.log.flush()
+            self._copy(self.log.flush)
+
+    def _copy(self, write, *args) -> None:
+        """``write(*args)`` on the log; a log that cannot be written (a full disk) is given
+        up, so the terminal still shows the line that says why."""
+        try:
+            write(*args)
+        except OSError:
+            with contextlib.suppress(OSError):
+                self.log.close()
 
     def isatty(self) -> bool:
         return self.stream.isatty()
