@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from syncbn_lab.cli import exit_on_user_error
+from syncbn_lab.disk import writing
 from syncbn_lab.report import load, render
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +55,8 @@ def main() -> None:
         if args.compare_with is not None:
             source.spec = replace(source.spec, compare_with=str(args.compare_with.resolve()))
         out = args.out or ROOT / "reports" / source.spec.experiment
-        written = render(source, out)
+        with writing(out, "free space there, or pass --out on another disk"):
+            written = render(source, out)
     missing = f" ({len(source.failures)} failed, marked missing)" if source.failures else ""
     print(f"{len(source.runs)} runs{missing} -> {out}/{', '.join(written)}")
 

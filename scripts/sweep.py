@@ -32,6 +32,15 @@ a run finishes (syncbn_lab.archive), to commit as they land; --resume <that arch
 out under multirun/<study>/ on a fresh checkout and runs the rest, packing into the same
 archive. Runs cut off when the machine goes away are not in it and run again.
 
+One sweep at a time works on a sweep dir and on an archive: it holds <sweep dir>.lock and
+<archive>.lock (host, pid, command) while it runs; a second is refused with one line naming
+the first, and a lock whose process is gone (same host) is taken over. An archive cut short
+or corrupted is one line (how many runs can be read, how to restore it); --rerun-unreadable
+resumes from the runs it can read and runs the others again, and no pack replaces an archive
+with fewer runs than the resume read from it. --report-dir is recorded in sweep.json: a
+resume writes the report there too. A full disk is one line naming the file and the space
+left; the archive and the runs that finished stay as they were.
+
 While it works the sweep prints one line per finished run: k of N, the run's cell, its test
 error or why it has none (failed, diverged), its time and the sweep's estimated time left.
 The jobs' own output (Hydra's launch lines, epoch lines) goes to <sweep dir>/sweep.log, and
@@ -41,6 +50,7 @@ each run's to its own train.log; --verbose prints the jobs' output on the termin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -50,12 +60,14 @@ from pathlib import Path
 
 from syncbn_lab import archive
 from syncbn_lab.cli import exit_on_user_error
-from syncbn_lab.errors import UserError, one_line
+from syncbn_lab.disk import write_atomic, writing
+from syncbn_lab.errors import OneLineError, UserError, one_line
 from syncbn_lab.logging.console import display_path
 from syncbn_lab.multirun import SweepProgress, jobs, varied_keys
 from syncbn_lab.provenance import cpu_isa, cpu_model
 from syncbn_lab.sweep import (
     LOG,
+    locked,
     log_report_to_wandb,
     multirun,
     multirun_overrides,
@@ -68,16 +80,30 @@ TRAIN = ROOT / "scripts" / "train.py"
 RECORD = "sweep.json"  # what --resume reads: the settings the sweep was started with
 
 
-def settings(args: argparse.Namespace) -> tuple[Path, dict]:
-    """The sweep dir and its settings: new ones, or those recorded for --resume."""
+def settings(args: argparse.Namespace, locks: contextlib.ExitStack) -> tuple[Path, dict, int]:
+    """The sweep dir, its settings (new ones, or those recorded for --resume) and how many
+    finished runs the archive it resumes from holds (0: none); the sweep dir and the archive
+    are locked for this process (``locks``) before anything is written into them."""
     if args.resume is not None:
-        packed_into = None
+        packed_into, at_least = None, 0
         if args.resume.is_file():  # an archive: lay it out as a sweep dir, then resume that
-            with exit_on_user_error():
-                _, packed = archive.read_record(args.resume)
-            parent = args.sweep_dir or ROOT / "multirun" / packed["name"]
+            locks.enter_context(locked(args.resume, "the archive"))
+            contents = archive.read(args.resume)
+            if contents.damage is not None:
+                line, n = archive.damaged_line(args.resume, contents), len(contents.runs)
+                if not args.rerun_unreadable:
+                    raise UserError(
+                        f"{line}; or pass --rerun-unreadable to resume from those {n} runs "
+                        "(the others run again)"
+                    )
+                print(f"note: {line}; --rerun-unreadable: the others run again", flush=True)
+            parent = args.sweep_dir or ROOT / "multirun" / contents.record["name"]
+            locks.enter_context(locked(parent / contents.top, "the sweep dir"))
             packed_into = _from_root(args.resume)  # and pack into it again
-            args.resume, args.sweep_dir = archive.unpack(args.resume, parent), None
+            args.resume = archive.unpack(args.resume, parent, damaged_ok=True)
+            args.sweep_dir, at_least = None, len(contents.runs)
+        else:
+            locks.enter_context(locked(args.resume, "the sweep dir"))
         record = args.resume / RECORD
         if not record.exists():
             sys.exit(
@@ -93,7 +119,9 @@ def settings(args: argparse.Namespace) -> tuple[Path, dict]:
         resumed = json.loads(record.read_text())
         if packed_into is not None:
             resumed["archive"] = packed_into
-        return args.resume, resumed
+        elif resumed.get("archive"):
+            locks.enter_context(locked(ROOT / resumed["archive"], "the archive"))
+        return args.resume, resumed, at_least
     experiment = args.experiment or "bn_vs_syncbn"
     launcher = args.launcher or "joblib"
     parallel = args.parallel or "emulated"
@@ -106,6 +134,9 @@ def settings(args: argparse.Namespace) -> tuple[Path, dict]:
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     name = f"{experiment}_smoke" if args.smoke else experiment
     sweep_dir = args.sweep_dir or ROOT / "multirun" / name / stamp
+    locks.enter_context(locked(sweep_dir, "the sweep dir"))
+    if args.archive is not None:
+        locks.enter_context(locked(args.archive, "the archive"))
     if sweep_dir.exists() and any(sweep_dir.iterdir()):
         sys.exit(
             f"error: {sweep_dir} already holds a sweep; pass a new --sweep-dir, or "
@@ -122,7 +153,18 @@ def settings(args: argparse.Namespace) -> tuple[Path, dict]:
         record["smoke"] = True  # its report sets nothing beside it
     if args.archive is not None:
         record["archive"] = _from_root(args.archive)
-    return sweep_dir, record
+    if args.report_dir is not None:  # a resume writes its report there too
+        record["report_dir"] = _from_root(args.report_dir)
+    return sweep_dir, record, 0
+
+
+def report_dir_of(args: argparse.Namespace, record: dict) -> Path:
+    """Where the report goes: --report-dir, else the one the sweep was started with, else
+    reports/<study>."""
+    recorded = record.get("report_dir")
+    if args.report_dir is not None:
+        return args.report_dir
+    return ROOT / recorded if recorded else ROOT / "reports" / record["name"]
 
 
 def _from_root(path: Path) -> str:
@@ -153,14 +195,27 @@ def main() -> None:
         "--archive", type=Path, default=None, metavar="RUNS_TAR_GZ",
         help="pack the finished runs into this file as they finish (to commit)",
     )  # fmt: skip
-    parser.add_argument("--report-dir", type=Path, default=None)
+    parser.add_argument(
+        "--rerun-unreadable", action="store_true",
+        help="--resume from a damaged archive: its readable runs are kept, the rest run again",
+    )  # fmt: skip
+    parser.add_argument(
+        "--report-dir", type=Path, default=None,
+        help="default: the one the sweep was started with, else reports/<study>",
+    )  # fmt: skip
     parser.add_argument(
         "--verbose", action="store_true", help="print the jobs' own output (epoch lines) too"
     )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
-    sweep_dir, record = settings(args)
-    report_dir = args.report_dir or ROOT / "reports" / record["name"]
+    with exit_on_user_error(), contextlib.ExitStack() as locks:
+        sweep(args, locks)
+
+
+def sweep(args: argparse.Namespace, locks: contextlib.ExitStack) -> None:
+    """The sweep ``args`` ask for, its sweep dir and archive locked in ``locks``."""
+    sweep_dir, record, at_least = settings(args, locks)
+    report_dir = report_dir_of(args, record)
     runs = [
         multirun_overrides(sweep_dir, record["experiment"], part["overrides"])
         for part in record["parts"]
@@ -170,8 +225,9 @@ def main() -> None:
     except Exception as e:  # a bad override: Hydra's message as one line, nothing written
         sys.exit(f"error: {' '.join(str(e).split())}")
     if args.resume is None:
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        (sweep_dir / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+        with writing(sweep_dir / RECORD):
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(sweep_dir / RECORD, json.dumps(record, indent=1) + "\n")
 
     wall_file = sweep_dir / "wall_time_s"
     earlier = float(wall_file.read_text()) if wall_file.exists() else 0.0
@@ -180,13 +236,21 @@ def main() -> None:
     attempt = archive.start_attempt(sweep_dir, machine())
     packed_into = ROOT / record["archive"] if record.get("archive") else None
 
+    problems: dict[str, None] = {}  # what could not be written, each said once
+
     def landed() -> None:
-        """After runs finish: the time so far, then the archive (the machine may go any time)."""
+        """After runs finish: the time so far, then the archive (the machine may go any time).
+        What cannot be written (a full disk) is one line; the sweep goes on, and ends non-zero."""
         ran = time.perf_counter() - start
-        wall_file.write_text(f"{earlier + ran:.1f}\n")
-        archive.end_of_attempt(sweep_dir, attempt, ran, progress.done - progress.before)
-        if packed_into is not None:
-            archive.pack(sweep_dir, packed_into)
+        try:
+            write_atomic(wall_file, f"{earlier + ran:.1f}\n")
+            archive.end_of_attempt(sweep_dir, attempt, ran, progress.done - progress.before)
+            if packed_into is not None:
+                archive.pack(sweep_dir, packed_into, at_least)
+        except OneLineError as e:
+            if one_line(e) not in problems:
+                print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+                problems[one_line(e)] = None
 
     log = sweep_dir / LOG
     print(
@@ -200,6 +264,11 @@ def main() -> None:
         multirun(TRAIN, arguments, progress, log, args.verbose, landed) for arguments in runs
     ]
     landed()
+    if problems:
+        sys.exit(
+            f"error: {list(problems)[-1]}; the sweep's runs are kept in {sweep_dir} (the report "
+            f"is not written): python scripts/sweep.py --resume {sweep_dir} continues it"
+        )
     wall = float(wall_file.read_text())
     if packed_into is not None:
         print(f"{progress.done} finished runs packed into {display_path(packed_into)}", flush=True)

@@ -13,10 +13,13 @@ its parts.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -181,3 +184,84 @@ def log_report_to_wandb(arguments: list[str], report_dir: Path, sweep_dir: Path,
         runs = f"{display_path(sweep_dir)}/*/wandb/offline-run-*"
         report = f"{display_path(sweep_dir)}/wandb/offline-run-*"
         print(f"W&B: upload the runs and the report: wandb sync {runs} {report}", flush=True)
+
+
+LOCK_SUFFIX = ".lock"  # <sweep dir>.lock, <archive>.lock: the sweep that works on it
+
+
+def _process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks after boot, /proc), to tell it from a later
+    process given the same pid; None where /proc does not say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _alive(owner: dict) -> bool | None:
+    """Whether the process that wrote ``owner`` still runs: None where it ran on another
+    host (which this one cannot ask)."""
+    if owner.get("host") != socket.gethostname():
+        return None
+    pid = owner.get("pid")
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    started = owner.get("started_ticks")
+    return started is None or _process_start(pid) in (None, started)
+
+
+@contextlib.contextmanager
+def locked(path: Path, what: str) -> Iterator[None]:
+    """Hold ``path + .lock`` while inside: a file created exclusively, naming this host, pid
+    and command. Another sweep that holds it is one UserError line naming it; a lock whose
+    process is gone (killed, its machine rebooted: same host) is taken over with a line."""
+    lock = path.with_name(path.name + LOCK_SUFFIX)
+    owner = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started_ticks": _process_start(os.getpid()),
+        "since": datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+    }
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):  # a stale lock is removed once, then taken
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                held = json.loads(lock.read_text())
+            except (OSError, ValueError):
+                held = {}
+            alive = _alive(held)
+            if alive is False and held:
+                print(
+                    f"note: {lock} was left by pid {held.get('pid')}, which is gone; taking it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                lock.unlink(missing_ok=True)
+                continue
+            fix = "wait for it to end, or stop it" if alive else f"if it is gone, rm {lock}"
+            raise UserError(
+                f"{what} {path} is in use by another sweep (pid {held.get('pid', '?')} on "
+                f"{held.get('host', '?')} since {held.get('since', '?')}: "
+                f"{held.get('command', '?')}); {fix}"
+            ) from None
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(owner) + "\n")
+        break
+    try:
+        yield
+    finally:
+        try:  # only our own lock: a sweep that took over a stale one keeps its own
+            if json.loads(lock.read_text()).get("pid") == owner["pid"]:
+                lock.unlink()
+        except (OSError, ValueError):
+            pass
