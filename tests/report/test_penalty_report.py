@@ -160,3 +160,78 @@ def test_a_trend_or_anchor_the_declaration_cannot_name_is_one_line():
         declared("x", {**report, "trends": {"t": {"vary": "model.width", "values": [4]}}})
     with pytest.raises(UserError, match="anchors names nowhere, which .*papers.yaml"):
         declared("x", {**report, "anchors": ["nowhere"]})
+
+
+def test_predictors_across_data_sets_leave_one_out(tmp_path, monkeypatch):
+    """Two data sets: every candidate's ρ over all (scipy, exact permutation p) and within each
+    data set, the cut chosen on the other data set and its hits, and the verdict: one candidate
+    holds, one is not significant, one misses one new configuration and one misses both."""
+    monkeypatch.setattr(penalty_report, "repository", lambda: tmp_path / "checkout")
+    # data set -> width -> (penalty by seed, train loss at 256, at 2, test loss at 256, at 2)
+    planted = {
+        "fashion_mnist": {4: ((1.0, 1.2, 0.8), 0.20, 0.25, 0.25, 0.30),
+                          8: ((0.6, 0.7, 0.5), 0.12, 0.18, 0.20, 0.25),
+                          16: ((0.0, 0.1, -0.1), 0.05, 0.10, 0.25, 0.22)},
+        "animal_mnist": {4: ((0.9, 0.7, 1.1), 0.30, 0.22, 1.00, 0.45),
+                         16: ((0.2, 0.0, 0.1), 0.01, 0.12, 0.10, 0.09)},
+    }  # fmt: skip
+    runs = tmp_path / "runs"
+    for dataset, widths in planted.items():
+        for width, (penalties, loss, small_loss, test_loss, small_test) in widths.items():
+            for seed in SEEDS:
+                for devices, error, train, test in ((1, 9.0, loss, test_loss),
+                                                    (128, 9.0 + penalties[seed], small_loss,
+                                                     small_test)):  # fmt: skip
+                    run = plant(runs, f"nbs_{dataset}", width, devices, seed, error, train)
+                    summary = json.loads((run / "summary.json").read_text())
+                    summary |= {"dataset": dataset, "test_loss": test}
+                    (run / "summary.json").write_text(json.dumps(summary))
+                    config = OmegaConf.load(run / "config.yaml")
+                    config.data = {"name": dataset}
+                    OmegaConf.save(config, run / "config.yaml")
+    source = Source(spec_of("nbs_penalty"), collect_runs(runs), "python scripts/report.py x")
+    out = tmp_path / "report"
+    render(source, out)
+    text = (out / "README.md").read_text()
+    assert "| fashion_mnist, resnet8, width 4, heterogeneity 0.0 | 3 |" in text  # named
+    figures = {  # the candidate's value of each configuration, as planted
+        "train_loss_small": lambda w: w[2], "loss_ratio_small": lambda w: w[2] / w[4],
+        "train_loss_whole": lambda w: w[1], "loss_ratio_whole": lambda w: w[1] / w[3],
+    }  # fmt: skip
+    verdicts = {}
+    for name, value in figures.items():
+        line = next(x for x in text.splitlines() if x.startswith(f"| `{name}` |"))
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        pays = {(d, w): statistics.fmean(v[0]) > 0.5 for d, ws in planted.items()
+                for w, v in ws.items()}  # fmt: skip
+        xs = [value(v) for ws in planted.values() for v in ws.values()]
+        ys = [statistics.fmean(v[0]) for ws in planted.values() for v in ws.values()]
+        rho = stats.spearmanr(xs, ys).statistic
+        every_order = stats.permutation_test(
+            (xs,), lambda a, ys=ys: stats.spearmanr(a, ys).statistic,
+            permutation_type="pairings", n_resamples=np.inf,
+        )  # fmt: skip
+        p = every_order.pvalue
+        assert cells[2] == f"{rho:+.2f} (5, p {p:.2g})", (name, cells[2])
+        # leave animal_mnist out: fashion's best cut separates its values; then animal's hits
+        paying = [value(v) for w, v in planted["fashion_mnist"].items() if pays["fashion_mnist", w]]
+        free = [value(v) for w, v in planted["fashion_mnist"].items()
+                if not pays["fashion_mnist", w]]  # fmt: skip
+        cut = (max(free) + min(paying)) / 2
+        hits = sum((value(v) >= cut) == pays["animal_mnist", w]
+                   for w, v in planted["animal_mnist"].items())  # fmt: skip
+        assert f"animal_mnist: {cut:.3g}, {hits} of 2" in cells[5], (name, cells[5])
+        if hits < 2:
+            expected = f"does not hold ({2 - hits} of 2 new configurations missed)"
+        else:
+            expected = "holds" if rho > 0 and p < 0.05 else "does not hold (not significant)"
+        verdicts[name] = cells[6]
+        assert cells[6] == expected, (name, cells[6], expected)
+    assert verdicts == {
+        "train_loss_small": "holds",
+        "loss_ratio_small": "does not hold (2 of 2 new configurations missed)",
+        "train_loss_whole": "does not hold (not significant)",
+        "loss_ratio_whole": "does not hold (1 of 2 new configurations missed)",
+    }
+    noise = next(x for x in text.splitlines() if x.startswith("| `noise_small` |"))
+    assert noise.endswith("| not yet measured |")  # no bn_noise.csv planted

@@ -30,6 +30,7 @@ from syncbn_lab.report.collect import train_loss
 from syncbn_lab.report.comparisons import cell_table
 from syncbn_lab.report.papers import mark, papers
 from syncbn_lab.report.plots import log2_axis, save, subplots
+from syncbn_lab.report.predictors import Case, leave_one_out
 from syncbn_lab.report.source import Source
 from syncbn_lab.report.spec import Trend, repository
 from syncbn_lab.report.stats import (
@@ -52,6 +53,7 @@ cell."""
 NOISE_CSV = "bn_noise.csv"
 """reports/<study>/bn_noise.csv: the measured noise of each trained run's batch statistics."""
 BATCH = "normalization_batch_size"
+DATASET = "data.name"
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,13 @@ class PenaltyStudy:
             self.by_config[config] = Configuration(
                 config, small, whole, cells.against(small, whole)
             )
+
+    def label(self, config: Cell) -> str:
+        """The configuration's name: its values, the data set's only where the report
+        combines several."""
+        one_dataset = len({c[DATASET] for c in self.by_config if DATASET in c.keys}) <= 1
+        shown = [k for k in config.keys if not (k == DATASET and one_dataset)]
+        return ", ".join(_value(k, config[k]) for k in shown)
 
     def config_of(self, cell: Cell) -> Cell:
         return Cell(tuple(cell[k] for k in self.same), self.same)
@@ -120,6 +129,33 @@ class PenaltyStudy:
 
     def loss(self, c: Configuration) -> list[float]:
         return [train_loss(r) for r in self.cells.by_cell.get(c.whole, [])]
+
+    def small_loss(self, c: Configuration) -> list[float]:
+        return [train_loss(r) for r in self.cells.by_cell.get(c.small, [])]
+
+    def _ratios(self, cell: Cell) -> list[float]:
+        """Each run's final training loss over its test loss (runs that record both)."""
+        runs = self.cells.by_cell.get(cell, [])
+        return [train_loss(r) / r["test_loss"] for r in runs if r["test_loss"]]
+
+    def small_ratio(self, c: Configuration) -> list[float]:
+        return self._ratios(c.small)
+
+    def whole_ratio(self, c: Configuration) -> list[float]:
+        return self._ratios(c.whole)
+
+    def dataset(self, c: Configuration) -> str:
+        """The data set the configuration trained on (``data.name``, a cell key where the
+        report combines several, else what its runs record)."""
+        if DATASET in c.config.keys:
+            return str(c.config[DATASET])
+        runs = self.cells.by_cell.get(c.whole, []) + self.cells.by_cell.get(c.small, [])
+        return str(runs[0]["dataset"]) if runs else "?"
+
+    def cases(self, figure: Figure) -> list[Case]:
+        """The measured configurations as a predictor sees them (those with the figure)."""
+        return [Case(self.dataset(c), statistics.fmean(v), self.appears(c), c.penalty.mean)
+                for c in self.measured() if (v := figure(self, c))]  # fmt: skip
 
     def along(self, t: Trend) -> list[Configuration | None]:
         """The configurations of trend ``t`` in its order (None where not declared)."""
@@ -188,15 +224,23 @@ TRACKED: tuple[tuple[str, Figure], ...] = (
 )
 """What the penalty might track across configurations: each configuration's mean of it."""
 
+PREDICTORS: tuple[tuple[str, str, Figure], ...] = (
+    ("train_loss_small", "the final training loss at the small batch", PenaltyStudy.small_loss),
+    ("loss_ratio_small", "its training loss over its test loss", PenaltyStudy.small_ratio),
+    ("train_loss_whole", "the final training loss at the whole batch", PenaltyStudy.loss),
+    ("loss_ratio_whole", "its training loss over its test loss", PenaltyStudy.whole_ratio),
+    ("noise_small", "the noise of the batch statistics at the small batch", PenaltyStudy.noise_of),
+)
+"""The candidates reports/nbs_penalty/PREDICTORS.md names, each a figure a user reads off their
+own run, in its order."""
+FOUND_ON = "fashion_mnist"
+"""The data set the candidates were found on; the others test them."""
+
 
 def _value(key: str, value: object) -> str:
     """A cell key's value as a label reads it: a name alone (resnet8), else "width 4"."""
     short = key.split(".")[-1]
     return str(value) if short in ("name", GROUP) else f"{short.replace('_', ' ')} {value}"
-
-
-def _config_label(config: Cell) -> str:
-    return ", ".join(_value(k, v) for k, v in zip(config.keys, config.values, strict=True))
 
 
 def _claim(d: Paired | None) -> str:
@@ -238,7 +282,7 @@ def penalty_table(s: PenaltyStudy) -> list[str]:
     ]
     for c in s.by_config.values():
         lines.append(row(
-            _config_label(c.config), c.penalty.n, fmt_paired(c.penalty), fmt_interval(c.penalty),
+            s.label(c.config), c.penalty.n, fmt_paired(c.penalty), fmt_interval(c.penalty),
             fmt_p(c.penalty.p), against_noise(c.penalty, s.noise), over_seeds(s.loss(c), 4),
             over_seeds(s.noise_of(c), 3), over_seeds(s.gap(c), 2),
         ))  # fmt: skip
@@ -291,6 +335,77 @@ def tracks_table(s: PenaltyStudy) -> list[str]:
     return lines
 
 
+def _rho(points: list[Case]) -> Paired:
+    """Spearman's ρ of the points' values with their penalty, as the verdicts read it; of two
+    points, +1 or -1 (whether they rank alike) with no p."""
+    if len(points) == 2 and points[0].value != points[1].value:
+        a, b = points
+        same = (a.value - b.value) * (a.penalty - b.penalty) > 0
+        return Paired(1.0 if same else -1.0, math.nan, 2, math.nan)
+    rho, p = spearman([q.value for q in points], [q.penalty for q in points])
+    return Paired(rho, math.nan, 0 if math.isnan(rho) else len(points), p)
+
+
+def _fmt_rho(r: Paired) -> str:
+    if not r.n:
+        return "–"
+    return f"{r.mean:+.2f} ({r.n}" + ("" if math.isnan(r.p) else f", p {fmt_p(r.p)}") + ")"
+
+
+def predictor_verdict(s: PenaltyStudy, figure: Figure) -> str:
+    """PREDICTORS.md's rule: the candidate holds beyond the data set it was found on when the
+    threshold chosen on the other data sets predicts every configuration of each new data set
+    (leave one data set out) and it ranks with the penalty over every configuration."""
+    points = s.cases(figure)
+    if not points:
+        return "not yet measured"
+    new = sorted({q.dataset for q in points} - {FOUND_ON})
+    if not new:
+        return "waits for runs on other data sets"
+    held = [h for h in leave_one_out(points) if h.dataset in new]
+    if len(held) < len(new):
+        return "waits for runs on the data set it was found on"
+    missed = sum(h.of - h.hits for h in held)
+    verdict = _claim(_rho(points))
+    if missed:
+        return f"does not hold ({missed} of {sum(h.of for h in held)} new configurations missed)"
+    return verdict if verdict != HOLDS else HOLDS
+
+
+def predictors_table(s: PenaltyStudy) -> list[str]:
+    """PREDICTORS.md's tests (a) and (b) for each candidate."""
+    datasets = sorted({s.dataset(c) for c in s.measured()})
+    lines = [
+        "Each candidate a user reads off their own run (reports/nbs_penalty/PREDICTORS.md "
+        "fixes them and these tests): (a) Spearman's ρ of the configurations' penalty with "
+        "their mean of it, over every configuration and within each data set; (b) leave one "
+        "data set out: the cut chosen on the other data sets' configurations (at or above it "
+        "predicts a penalty, significant and beyond the noise) and its hits on the one left "
+        f"out. It holds beyond {FOUND_ON} when (b) predicts every configuration of every other "
+        f"data set and (a) over all is positive with p < {ALPHA}.",
+        "",
+        *table_head(
+            "candidate",
+            "what",
+            "ρ over all (configurations, p)",
+            *(f"ρ within {d}" for d in datasets),
+            "left out: cut, hits",
+            "holds beyond it",
+        ),  # fmt: skip
+    ]
+    for name, what, figure in PREDICTORS:
+        points = s.cases(figure)
+        overall = _rho(points)
+        within = [_fmt_rho(_rho([q for q in points if q.dataset == d])) for d in datasets]
+        held = "; ".join(f"{h.dataset}: {h.threshold.cut:.3g}, {h.hits} of {h.of}"
+                         for h in leave_one_out(points))  # fmt: skip
+        held = held or "one data set: nothing to leave out"
+        lines.append(
+            row(f"`{name}`", what, _fmt_rho(overall), *within, held, predictor_verdict(s, figure))
+        )
+    return lines
+
+
 def remedy_table(s: PenaltyStudy) -> list[str]:
     lines = [
         "Each remedy cell against the penalised cell and against the whole batch, paired by "
@@ -312,7 +427,7 @@ def remedy_table(s: PenaltyStudy) -> list[str]:
     for r in s.remedies():
         share = "no penalty to recover" if math.isnan(r.share) else f"{100 * r.share:.0f} %"
         lines.append(row(
-            _config_label(r.of.config), r.name, fmt_paired(r.vs_small), fmt_p(r.vs_small.p),
+            s.label(r.of.config), r.name, fmt_paired(r.vs_small), fmt_p(r.vs_small.p),
             fmt_paired(r.vs_whole), fmt_p(r.vs_whole.p), share, reaches(r.vs_whole, s.noise),
         ))  # fmt: skip
     return lines
@@ -340,7 +455,7 @@ def claims(s: PenaltyStudy) -> list[str]:
     """One line per claim: where a penalty appears, each trend, what it tracks, the
     remedies."""
     penalised = [c for c in s.by_config.values() if s.appears(c)]
-    listed = "; ".join(f"{_config_label(c.config)} {fmt_paired(c.penalty)} pp" for c in penalised)
+    listed = "; ".join(f"{s.label(c.config)} {fmt_paired(c.penalty)} pp" for c in penalised)
     measured = s.measured()
     waiting = len(s.by_config) - len(measured)
     lines = [
@@ -361,7 +476,7 @@ def claims(s: PenaltyStudy) -> list[str]:
     recovering = [r for r in s.remedies() if not math.isnan(r.share)]
     if recovering:
         over = ", ".join(_value(k, v) for k, v in s.cells.spec.comparison(REMEDY).cells.items())
-        each = "; ".join(f"{_config_label(r.of.config)}, {r.name}: {100 * r.share:.0f} % "
+        each = "; ".join(f"{s.label(r.of.config)}, {r.name}: {100 * r.share:.0f} % "
                          f"(reaches it: {reaches(r.vs_whole, s.noise)})"
                          for r in recovering)  # fmt: skip
         lines.append(
@@ -397,7 +512,7 @@ def penalty_figure(s: PenaltyStudy):
             values = figure(s, c)
             if c.penalty.n < 2 or not values:
                 continue
-            handles[_config_label(c.config)] = ax.errorbar(
+            handles[s.label(c.config)] = ax.errorbar(
                 statistics.fmean(values), c.penalty.mean, yerr=c.penalty.half_interval,
                 fmt=MARKERS[i % len(MARKERS)], capsize=3, color=f"C{i % 10}", markersize=6,
             )  # fmt: skip
@@ -596,6 +711,10 @@ def markdown(source: Source, cells: Cells, s: PenaltyStudy) -> str:
         *tracks_table(s),
         "",
         f"![The penalty against each figure]({PLOT})",
+        "",
+        "## Predictors across data sets",
+        "",
+        *predictors_table(s),
     ]
     if REMEDY in cells.spec.comparisons:
         lines += ["", "## The remedies", "", *remedy_table(s)]

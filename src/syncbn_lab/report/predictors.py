@@ -15,12 +15,14 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Point:
-    """One configuration as a predictor sees it: its data set, its value and whether it pays."""
+class Case:
+    """One configuration as a predictor sees it: its data set, its value, whether it pays a
+    penalty, and the penalty (pp)."""
 
     dataset: str
     value: float
     pays: bool
+    penalty: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class Threshold:
         return value >= self.cut
 
 
-def best_threshold(points: Sequence[Point]) -> Threshold:
+def best_threshold(points: Sequence[Case]) -> Threshold:
     """The cut with the most correct classifications of ``points``; ties go to the widest gap
     between adjacent sorted values (the cut at its middle), then to the lower cut. The cuts
     below and above every value (predict a penalty everywhere, nowhere) have no gap."""
@@ -62,7 +64,7 @@ class HeldOut:
     of: int
 
 
-def leave_one_out(points: Sequence[Point]) -> list[HeldOut]:
+def leave_one_out(points: Sequence[Case]) -> list[HeldOut]:
     """For each data set in turn (sorted), the threshold :func:`best_threshold` chooses on the
     other data sets' configurations and how many of this data set's it predicts right."""
     out = []
