@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf, open_dict
 
 from syncbn_lab.config import CONFIG_DIR, compose, validate
-from syncbn_lab.errors import UserError
+from syncbn_lab.errors import UserError, one_line
 from syncbn_lab.machine import available_cores
 from syncbn_lab.run_dir import decide
 
@@ -440,9 +440,8 @@ def check(base: str, values: dict[str, Any], tmp: Path) -> None:
             validate(cfg)
             decide(cfg, tmp / "run")
     except UserError as e:
-        line = str(e)
+        line = one_line(e)  # what the entry points print
         assert expected, f"{base} {shown}: refused though it means what its comment says: {line}"
-        assert "\n" not in line, f"{base} {shown}: not one line: {line!r}"
         named = {k for v in expected for k in v.keys}
         assert any(_names(line, k) for k in named), (
             f"{base} {shown}: the line names none of {sorted(named)}: {line}"
