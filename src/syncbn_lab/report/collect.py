@@ -258,16 +258,28 @@ def runs_from_csv(path: Path) -> list[Run]:
     def value(key: str, text: str) -> Any:
         if text == "" or key in TEXT_COLUMNS:
             return text or None
-        if key in INTEGER_COLUMNS:
+        if key in INTEGER_COLUMNS or text.lstrip("-").isdigit():  # a width, a count: 4, not 4.0
             return int(text)
         try:
             return float(text)
         except ValueError:
             return text
 
+    def summary(row: dict[str, str]) -> dict[str, Any]:
+        out = {k: value(k, v) for k, v in row.items()}
+        for error, acc in ERROR_COLUMNS.items():  # a report that states errors, not accuracies
+            if out.get(acc) is None and isinstance(out.get(error), int | float):
+                out[acc] = 100.0 - out[error]
+        return out
+
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
-    return [
-        Run(Path(row.get("run_dir") or "?"), {k: value(k, v) for k, v in row.items()})
-        for row in rows
-    ]
+    return [Run(Path(row.get("run_dir") or "?"), summary(row)) for row in rows]
+
+
+ERROR_COLUMNS = {
+    "test_error": "test_acc",
+    "test_error_precise_bn": "test_acc_precise_bn",
+    "test_error_batch_stats": "test_acc_batch_stats",
+}
+"""results.csv columns of :data:`COMPUTED` errors -> the summary.json accuracy each reads."""
