@@ -64,3 +64,29 @@ def test_the_results_page_quotes_each_remedy():
             assert page[(width, names[remedy])][2:] == [vs_small, vs_whole, share]
             found += 1
     assert found == len(page) == 4
+
+
+def test_the_results_page_quotes_the_penalty_along_training_length():
+    """The stopping-early table: each length's penalty (2 against 64 images, paired by seed)
+    and final training loss at 64, recomputed from calibration_epochs' results.csv."""
+    import csv
+    import statistics
+
+    from syncbn_lab.report.stats import spearman
+
+    with open(ROOT / "reports" / "calibration_epochs" / "results.csv", newline="") as f:
+        runs = {(int(r["devices"]), int(r["epochs"]), int(r["seed"])): r for r in csv.DictReader(f)}
+    page = results_rows("| epochs | seeds | penalty, 2 against 64 images")
+    lengths = sorted({e for _, e, _ in runs})
+    assert sorted(int(k) for k in page) == lengths
+    penalties, losses = [], []
+    for epochs in lengths:
+        seeds = [s for d, e, s in runs if d == 1 and e == epochs and (32, e, s) in runs]
+        accuracy = {d: [float(runs[d, epochs, s]["test_acc"]) for s in seeds] for d in (1, 32)}
+        penalty = statistics.fmean(a - b for a, b in zip(accuracy[1], accuracy[32], strict=True))
+        loss = statistics.fmean(float(runs[1, epochs, s]["train_loss"]) for s in seeds)
+        assert page[str(epochs)][1:] == [str(len(seeds)), f"{penalty:+.2f}", f"{loss:.3f}"]
+        penalties.append(penalty)
+        losses.append(loss)
+    rho, _ = spearman(losses, penalties)
+    assert f"ρ = {rho:+.2f} over {len(lengths)}" in RESULTS.read_text()
