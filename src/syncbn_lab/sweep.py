@@ -89,7 +89,9 @@ def plan(
     grid_distributed = mode(_mode_of(base, parallel)).distributed
     out = []
     for part, part_overrides in {GRID: [], **parts}.items():
-        merged = merge(base, part_overrides)
+        # each multirun numbers its jobs from 0: a part's run dirs start with the part's name
+        named = [] if part == GRID else [f"hydra.sweep.subdir={part}_{run_dir_pattern()}"]
+        merged = merge(merge(base, named), part_overrides)
         own_mode = _mode_of(part_overrides, None)  # a part that chooses its own mode
         if own_mode is not None and mode(own_mode).distributed:
             if grid_distributed:
@@ -98,6 +100,17 @@ def plan(
                 merged = merge(merged, ["hydra.launcher.n_jobs=1"])  # its ranks take the cores
         out.append({"part": part, "overrides": merged})
     return out
+
+
+def run_dir_pattern() -> str:
+    """configs/config.yaml's name of a sweep's run dir (``hydra.sweep.subdir``), unresolved:
+    ``<job number>_<bn>_<parallel><devices>_s<seed>``."""
+    from omegaconf import OmegaConf
+
+    from syncbn_lab.config import CONFIG_DIR
+
+    config = OmegaConf.load(CONFIG_DIR / "config.yaml")
+    return OmegaConf.to_container(config, resolve=False)["hydra"]["sweep"]["subdir"]
 
 
 def pin_precision(experiment: str, parts: list[dict]) -> list[dict]:

@@ -82,3 +82,26 @@ def test_a_part_set_to_null_is_not_run():
     parts = sweep.plan("fast_vs_fp32", False, "emulated", "joblib", [])
     assert [p["part"] for p in parts] == ["grid", "sync", "fp32", "fp32_sync"]
     assert parts[2]["overrides"][-2:] == ["trainer.precision=fp32", "trainer.channels_last=false"]
+
+
+def test_every_planned_job_has_its_own_run_dir():
+    """A part numbers its jobs from 0 as the grid does: calibration_animal_mnist's widths part
+    (bn on 1 device, seeds 0 and 1) would reuse the grid's first run dirs but for its name."""
+    from omegaconf import OmegaConf
+
+    from syncbn_lab.config import compose
+    from syncbn_lab.multirun import jobs
+
+    names = []
+    for part in sweep.plan("calibration_animal_mnist", False, "emulated", "joblib", []):
+        overrides = ["experiment=calibration_animal_mnist", *part["overrides"]]
+        given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.sweep.subdir=")]
+        subdir = given[-1] if given else sweep.run_dir_pattern()
+        assert subdir.startswith("" if part["part"] == "grid" else f"{part['part']}_")
+        for number, job in enumerate(jobs(overrides)):
+            cfg = compose([o for o in job if not o.startswith("hydra.")])
+            keys = {k: OmegaConf.select(cfg, k) for k in ("bn", "parallel", "trainer")}
+            named = OmegaConf.create({**keys, "hydra": {"job": {"num": number}}, "name": subdir})
+            names.append(str(named.name))
+    assert len(names) == 26 and len(set(names)) == 26, sorted(names)
+    assert "0_bn_emulated1_s0" in names and "widths_0_bn_emulated1_s0" in names
