@@ -80,3 +80,32 @@ def test_the_report_states_each_doubling_the_small_batch_and_the_plateau():
     assert "- 2 images per device: not yet at 16 epochs" in text
     assert "| 64 | 1 | 781 | 12.00 ± 0.13 | – | 0.5000 ± 0.0000 | 30 |" in text
     assert "bn (per-device BN) trained for 1, 8, 16 epochs with seeds 0, 1, 2" in text
+
+
+def test_a_calibration_of_widths_names_them_and_reads_their_loss_ratio():
+    """calibration_animal_mnist's declaration: widths beside the grid's 16 and a SyncBN noise
+    part; the table names each row's width and variant, the widths table divides each run's
+    training loss by its test loss (mean ± std over seeds, computed here by hand)."""
+
+    def run(bn, width, devices, epochs, seed, error, train, test):
+        return Run(Path(f"{bn}{width}_{devices}_{epochs}_{seed}"), {
+            "bn": bn, "parallel": "emulated", "model.width": width, "devices": devices,
+            "epochs": epochs, "seed": seed,
+            "per_device_batch_size": 256 // devices, "steps": 27 * epochs,
+            "test_acc": 100 - error - 0.1 * seed, "test_acc_precise_bn": None,
+            "train_loss": train * (1 + seed), "test_loss": test, "train_time_s": 1.0})  # fmt: skip
+
+    found = [run("bn", 16, d, e, s, 3.0 - e / 64, 0.01, 0.1) for d in (1, 128) for e in (32, 64)
+             for s in (0, 1)]  # fmt: skip
+    found += [run("bn", 2, 1, 64, s, 7.0, 0.1, 0.25) for s in (0, 1)]
+    found += [run("sync", 16, d, 64, s, 2.0 + 0.01 * d, 0.001, 0.1) for d in (2, 4) for s in (0, 1)]
+    study = source("calibration_animal_mnist", found)
+    text = calibration.markdown(study, study.cells())
+    assert "| model.width | variant | images per device | epochs | steps |" in text
+    assert "| 2 | bn | 256 | 64 | 1728 |" in text and "| 16 | sync | 64 | 64 | 1728 |" in text
+    ratios = {2: [0.1 / 0.25, 0.2 / 0.25], 16: [0.01 / 0.1, 0.02 / 0.1]}
+    for width, r in ratios.items():
+        cell = f"{statistics.fmean(r):.3f} ± {statistics.stdev(r):.3f}"
+        row = next(x for x in text.splitlines() if x.startswith(f"| {width} | 2 |"))
+        assert row.endswith(f"| {cell} |"), (row, cell)
+    assert "Each width over the whole batch (256 images per device) for 64 epochs" in text

@@ -20,7 +20,7 @@ from syncbn_lab.report.source import Source
 from syncbn_lab.report.stats import Paired, difference_noise, mean_std
 from syncbn_lab.report.text import fmt_p, fmt_paired, over_seeds, table_head, table_row
 from syncbn_lab.report.verdicts import against_noise, outcome
-from syncbn_lab.variants import with_role
+from syncbn_lab.variants import GROUP, with_role
 
 
 def doublings(cells: Cells) -> dict[int, list[tuple[int, int, Paired]]]:
@@ -51,6 +51,8 @@ def markdown(source: Source, cells: Cells) -> str:
     length, each doubling against the noise, the most devices against the fewest, and where
     the plateau starts."""
     noise = difference_noise(source.noise["test_error"].std)
+    shown = varying(cells)
+    variants = len({r[GROUP] for r in source.runs}) > 1  # a noise part beside the grid
     lengths = sorted({c["epochs"] for c in cells.declared})
     seeds = sorted({r["seed"] for r in source.runs})
     baseline = with_role("baseline")[0]
@@ -64,14 +66,16 @@ def markdown(source: Source, cells: Cells) -> str:
         "",
         header.provenance(source),
         "",
-        *table_head("images per device", "epochs", "steps", "test error, EMA (%)",
-                    "test error, PreciseBN (%)", "last epoch's training loss",
-                    "training time (s)"),
+        *table_head(*shown, *(["variant"] if variants else []), "images per device", "epochs",
+                    "steps", "test error, EMA (%)", "test error, PreciseBN (%)",
+                    "last epoch's training loss", "training time (s)"),
     ]  # fmt: skip
-    by_devices = sorted(cells.declared, key=lambda c: (c["devices"], c["epochs"]))
+    by_devices = sorted(cells.declared, key=lambda c: (*(c[k] for k in shown), c["devices"],
+                                                       c["epochs"]))  # fmt: skip
     for cell in by_devices:
         runs = cells.by_cell.get(cell, [])
-        lines.append(_row(cells, cell, runs))
+        variant = [", ".join(sorted({r[GROUP] for r in runs})) or "–"] if variants else []
+        lines.append(_row(cells, cell, runs, [*(cell[k] for k in shown), *variant]))
     lines += [
         "",
         "Each doubling (test error, EMA statistics; long - short, paired by seed):",
@@ -108,13 +112,52 @@ def markdown(source: Source, cells: Cells) -> str:
             )
         else:
             lines.append(f"- {images} images per device: from {start} epochs on.")
+    if WIDTH in shown:
+        lines += ["", *widths_table(cells)]
     return "\n".join(lines) + "\n"
 
 
-def _row(cells: Cells, cell: Cell, runs: list[Run]) -> str:
+WIDTH = "model.width"
+
+
+def varying(cells: Cells) -> list[str]:
+    """The cell keys besides devices and epochs whose value differs between declared cells
+    (a calibration of widths as well as lengths)."""
+    return [k for k in cells.keys if k not in ("devices", "epochs")
+            and len({c[k] for c in cells.declared}) > 1]  # fmt: skip
+
+
+def widths_table(cells: Cells) -> list[str]:
+    """Each width at the longest length over the whole batch (the fewest devices): how far
+    it is from fitting its training set, the training loss over the test loss."""
+    fewest = min(c["devices"] for c in cells.declared)
+    longest = max(c["epochs"] for c in cells.declared)
+    at = sorted((c for c in cells.declared if c["devices"] == fewest and c["epochs"] == longest
+                 and cells.by_cell.get(c)), key=lambda c: c[WIDTH])  # fmt: skip
+    lines = [
+        f"Each width over the whole batch ({per_device(cells, fewest)} images per device) for "
+        f"{longest} epochs: the last epoch's training loss over the test loss says how far the "
+        "model is from fitting its training set (near 0: it fits; near 1 or above: it "
+        "underfits). Mean ± std over seeds.",
+        "",
+        *table_head("width", "seeds", "test error, EMA (%)", "last epoch's training loss",
+                    "test loss", "training loss over test loss"),
+    ]  # fmt: skip
+    for cell in at:
+        runs = [r for r in cells.by_cell[cell] if r["test_loss"]]
+        lines.append(table_row(
+            cell[WIDTH], len(runs), over_seeds(r.test_error for r in runs),
+            over_seeds((r["train_loss"] for r in runs), 4),
+            over_seeds((r["test_loss"] for r in runs), 4),
+            over_seeds((r["train_loss"] / r["test_loss"] for r in runs), 3),
+        ))  # fmt: skip
+    return lines
+
+
+def _row(cells: Cells, cell: Cell, runs: list[Run], first: list) -> str:
     steps = {r["steps"] for r in runs}
     return table_row(
-        per_device(cells, cell["devices"]), cell["epochs"],
+        *first, per_device(cells, cell["devices"]), cell["epochs"],
         int(steps.pop()) if len(steps) == 1 else "–",
         over_seeds(r.test_error for r in runs), over_seeds(r.test_error_precise_bn for r in runs),
         over_seeds((r["train_loss"] for r in runs), 4),
