@@ -280,7 +280,7 @@ def _check_components(cfg: DictConfig) -> NormVariant:
     return norm
 
 
-_OPTION_GROUPS = ("data", "model", "bn", "parallel", "optim", "sched", "logger")
+_OPTION_GROUPS = ("data", "model", VARIANT_GROUP, "parallel", "optim", "sched", "logger")
 
 
 @functools.cache

@@ -45,7 +45,7 @@ from syncbn_lab.report.stats import (
 from syncbn_lab.report.text import fmt_interval, fmt_p, fmt_paired, over_seeds, table_head
 from syncbn_lab.report.text import table_row as row
 from syncbn_lab.report.verdicts import HOLDS, against_noise, outcome, reaches
-from syncbn_lab.variants import GROUP
+from syncbn_lab.variants import GROUP, with_role
 
 PENALTY, REMEDY = "penalty", "remedy"
 """The comparisons the report reads: the penalty, and the remedies against the penalised
@@ -568,9 +568,14 @@ def headline_points(s: PenaltyStudy) -> list[Point]:
     return out
 
 
+def _per_device(p: Point) -> bool:
+    """The point is per-device BN's (the baseline variant), not SyncBN's."""
+    return p.variant == with_role("baseline")[0].name
+
+
 def _remedy_label(p: Point, whole: int) -> str:
     """A remedy cell as the legend names it: bn on 8 devices, or SyncBN in groups of 16."""
-    if p.variant == "bn":
+    if _per_device(p):
         return f"remedy: bn on {p.devices} devices ({p.batch} images)"
     group = p.batch * p.devices // whole
     return f"remedy: SyncBN in groups of {group} on {p.devices} devices ({p.batch} images)"
@@ -591,13 +596,13 @@ def headline_figure(s: PenaltyStudy, points: list[Point]):
     for i, name in enumerate(dict.fromkeys(p.line for p in points)):
         colour = f"C{i % 10}"
         mine = [p for p in points if p.line == name]
-        bn = sorted((p for p in mine if p.variant == "bn"), key=lambda p: p.batch)
+        bn = sorted((p for p in mine if _per_device(p)), key=lambda p: p.batch)
         ax.errorbar([p.batch for p in bn], [p.error.mean for p in bn],
                     yerr=[p.error.half_interval for p in bn], fmt="-o", color=colour,
                     capsize=3, markersize=5)  # fmt: skip
         for p in (p for p in mine if p.remedy):
-            marker = "s" if p.variant == "bn" else "D"
-            x = p.batch if p.variant == "bn" else p.batch * 1.18  # beside bn's, not on it
+            marker = "s" if _per_device(p) else "D"
+            x = p.batch if _per_device(p) else p.batch * 1.18  # beside bn's, not on it
             ax.errorbar(x, p.error.mean, yerr=p.error.half_interval, fmt=marker, color=colour,
                         mfc="white", mew=1.5, capsize=3, markersize=8)  # fmt: skip
             legend.setdefault(_remedy_label(p, whole), Line2D([], [], ls="", marker=marker,
