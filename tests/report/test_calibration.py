@@ -83,8 +83,8 @@ def test_the_report_states_each_doubling_the_small_batch_and_the_plateau():
 
 
 def test_a_calibration_of_widths_names_them_and_reads_their_loss_ratio():
-    """calibration_animal_mnist's declaration: widths beside the grid's 16 and a SyncBN noise
-    part; the table names each row's width and variant, the widths table divides each run's
+    """calibration_animal_mnist's declaration: widths beside the grid's 16, a SyncBN noise
+    part and an extension of width 16 to 128 epochs; the table names each row's width and variant, the widths table divides each run's
     training loss by its test loss (mean ± std over seeds, computed here by hand)."""
 
     def run(bn, width, devices, epochs, seed, error, train, test):
@@ -97,6 +97,7 @@ def test_a_calibration_of_widths_names_them_and_reads_their_loss_ratio():
 
     found = [run("bn", 16, d, e, s, 3.0 - e / 64, 0.01, 0.1) for d in (1, 128) for e in (32, 64)
              for s in (0, 1)]  # fmt: skip
+    found += [run("bn", 16, d, 128, s, 3.0, 0.01, 0.1) for d in (1, 128) for s in (0, 1)]
     found += [run("bn", 2, 1, 64, s, 7.0, 0.1, 0.25) for s in (0, 1)]
     found += [run("sync", 16, d, 64, s, 2.0 + 0.01 * d, 0.001, 0.1) for d in (2, 4) for s in (0, 1)]
     study = source("calibration_animal_mnist", found)
@@ -108,4 +109,8 @@ def test_a_calibration_of_widths_names_them_and_reads_their_loss_ratio():
         cell = f"{statistics.fmean(r):.3f} ± {statistics.stdev(r):.3f}"
         row = next(x for x in text.splitlines() if x.startswith(f"| {width} | 2 |"))
         assert row.endswith(f"| {cell} |"), (row, cell)
+    # the length that trained both widths, not the longest (an extension of width 16 alone)
     assert "Each width over the whole batch (256 images per device) for 64 epochs" in text
+    # 2.0 at 64 epochs, 3.0 at 128 (+1.00 every seed): longer training raises the error
+    assert ("- 256 images per device: the error rises beyond the noise over the last doubling "
+            "(64 → 128 epochs, +1.00 ± 0.00 pp): longer training raises it.") in text

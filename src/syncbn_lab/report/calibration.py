@@ -105,9 +105,16 @@ def markdown(source: Source, cells: Cells) -> str:
     lines += ["", "Where the test error stops changing beyond the noise:", ""]
     for devices, found in steps.items():
         start, images = plateau(found, noise), per_device(cells, devices)
-        if start is None:
+        short, long, last = found[-1]
+        if start is None and last.mean > noise:
             lines.append(
-                f"- {images} images per device: not yet at {found[-1][1]} epochs (its last "
+                f"- {images} images per device: the error rises beyond the noise over the "
+                f"last doubling ({short} → {long} epochs, {fmt_paired(last)} pp): longer "
+                "training raises it."
+            )
+        elif start is None:
+            lines.append(
+                f"- {images} images per device: not yet at {long} epochs (its last "
                 "doubling still changes the error beyond the noise)."
             )
         else:
@@ -128,15 +135,18 @@ def varying(cells: Cells) -> list[str]:
 
 
 def widths_table(cells: Cells) -> list[str]:
-    """Each width at the longest length over the whole batch (the fewest devices): how far
-    it is from fitting its training set, the training loss over the test loss."""
+    """Each width over the whole batch (the fewest devices), at the length that trained the
+    most widths (of those, the longest): how far it is from fitting its training set, the
+    training loss over the test loss."""
     fewest = min(c["devices"] for c in cells.declared)
-    longest = max(c["epochs"] for c in cells.declared)
-    at = sorted((c for c in cells.declared if c["devices"] == fewest and c["epochs"] == longest
-                 and cells.by_cell.get(c)), key=lambda c: c[WIDTH])  # fmt: skip
+    trained = [c for c in cells.declared if c["devices"] == fewest and cells.by_cell.get(c)]
+    widths = {e: len({c[WIDTH] for c in trained if c["epochs"] == e})
+              for e in {c["epochs"] for c in trained}}  # fmt: skip
+    length = max(widths, key=lambda e: (widths[e], e))
+    at = sorted((c for c in trained if c["epochs"] == length), key=lambda c: c[WIDTH])
     lines = [
         f"Each width over the whole batch ({per_device(cells, fewest)} images per device) for "
-        f"{longest} epochs: the last epoch's training loss over the test loss says how far the "
+        f"{length} epochs: the last epoch's training loss over the test loss says how far the "
         "model is from fitting its training set (near 0: it fits; near 1 or above: it "
         "underfits). Mean ± std over seeds.",
         "",
