@@ -50,9 +50,14 @@ from syncbn_lab.loss import at_least_fp32
 TOLERANCES = {"fp64": 1e-6, "fp32": 0.1}
 AUTOCAST_MARGIN = 4.0
 
-# A tensor whose float64 gradient is this small next to the largest one is compared against
-# that floor instead of its own norm (a zero gradient has no relative error).
-_FLOOR = 1e-6
+# A tensor whose float64 gradient is smaller than this fraction of the largest one is compared
+# against that floor instead of its own norm. A gradient that is a sum whose terms cancel has no
+# meaningful relative error: resnet8 at width 2 on Animal-MNIST (seed 2, 256 images,
+# channels_last) has stages.0.bn2.bias's gradient at 4.5e-4 against the largest, 0.149; float32
+# puts it 1.2e-4 off, as far as its neighbours (bn1.bias 1.4e-4, conv weights up to 7.7e-4),
+# which is 0.26 of its own norm but 0.04 of the floor. A kernel 1.5x off still shows on every
+# tensor above 0.4 % of the largest (0.5 x 0.004 / 0.02 = 0.1), and on everything upstream of it.
+_FLOOR = 0.02
 
 
 class PreflightFailed(OneLineError):
