@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 from helpers import markdown_table
+from omegaconf import OmegaConf
 
 README = ROOT / "README.md"
 INDEX = ROOT / "reports" / "README.md"
@@ -25,12 +26,13 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 FIGURE = re.compile(r"(?<![\w.])[+-]?\d+\.\d+(?:e-?\d+)?|(?<![\w.])\d+ %")
 """A figure a sentence states: a decimal (signed, or with an exponent), or a whole percent."""
 ORDER = ("exactness", "bn_vs_syncbn_1epoch", "bn_vs_syncbn_mnist", "bn_vs_syncbn", "nbs_256",
-         "nbs_capacity", "nbs_depth", "nbs_heterogeneity", "nbs_remedy", "nbs_penalty",
-         "calibration_epochs", "calibration_nbs_256", "fast_vs_fp32", "bench_cpu",
+         "nbs_capacity", "nbs_depth", "nbs_heterogeneity", "nbs_remedy", "nbs_animal_mnist",
+         "nbs_elpv", "nbs_penalty", "calibration_epochs", "calibration_nbs_256",
+         "calibration_animal_mnist", "calibration_elpv", "fast_vs_fp32", "bench_cpu",
          "gpu_h200")  # fmt: skip
 """The argument's order: exactness; one epoch; convergence; the normalisation batch at 256;
-capacity, depth, heterogeneity, remedy and the combined answer; the calibrations and the
-fast configuration's check; benchmarks; the GPU figures."""
+capacity, depth, heterogeneity, remedy, the other data sets and the combined answer; the
+calibrations and the fast configuration's check; benchmarks; the GPU figures."""
 
 
 def prose(text: str) -> str:
@@ -191,8 +193,8 @@ def test_the_index_states_each_studys_runs_seeds_and_run_time_from_its_results_c
         assert seeds == (f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"), study
         column = "wall_time_s" if "wall_time_s" in found[0] else "train_time_s"
         assert row[4] == f"{sum(float(r[column]) for r in found) / 60:.1f} min", study
-    read = sum(len(runs[s]) for s in ("nbs_256", "nbs_capacity", "nbs_depth",
-                                      "nbs_heterogeneity", "nbs_remedy"))  # fmt: skip
+    combined = OmegaConf.load(ROOT / "configs" / "experiment" / "nbs_penalty.yaml").sweep.combines
+    read = sum(len(runs[s]) for s in combined)
     assert f"reads the {read} runs above" in rows["nbs_penalty"][3]
 
 

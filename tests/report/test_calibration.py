@@ -84,8 +84,9 @@ def test_the_report_states_each_doubling_the_small_batch_and_the_plateau():
 
 def test_a_calibration_of_widths_names_them_and_reads_their_loss_ratio():
     """calibration_animal_mnist's declaration: widths beside the grid's 16, a SyncBN noise
-    part and an extension of width 16 to 128 epochs; the table names each row's width and variant, the widths table divides each run's
-    training loss by its test loss (mean ± std over seeds, computed here by hand)."""
+    part and an extension of width 16 to 128 epochs; the table names each row's width and
+    variant, the widths table divides each run's training loss by its test loss (mean ± std
+    over seeds, computed here by hand)."""
 
     def run(bn, width, devices, epochs, seed, error, train, test):
         return Run(Path(f"{bn}{width}_{devices}_{epochs}_{seed}"), {
@@ -112,5 +113,7 @@ def test_a_calibration_of_widths_names_them_and_reads_their_loss_ratio():
     # the length that trained both widths, not the longest (an extension of width 16 alone)
     assert "Each width over the whole batch (256 images per device) for 64 epochs" in text
     # 2.0 at 64 epochs, 3.0 at 128 (+1.00 every seed): longer training raises the error
-    assert ("- 256 images per device: the error rises beyond the noise over the last doubling "
-            "(64 → 128 epochs, +1.00 ± 0.00 pp): longer training raises it.") in text
+    assert (
+        "- 256 images per device: the error rises beyond the noise over the last doubling "
+        "(64 → 128 epochs, +1.00 ± 0.00 pp): longer training raises it."
+    ) in text

@@ -48,6 +48,7 @@ def test_the_committed_report_is_what_its_command_writes(name, tmp_path, monkeyp
     monkeypatch.setattr(nbs, "write_plot", lambda *a: None)
     monkeypatch.setattr(penalty, "write_plot", lambda *a: None)
     monkeypatch.setattr(penalty, "write_headline", lambda *a: True)
+    monkeypatch.setattr(penalty, "write_predictor_plot", lambda *a: True)
     spec = importlib.util.spec_from_file_location("report_script", ROOT / "scripts" / "report.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -1,8 +1,8 @@
-"""The README's headline figure (reports/nbs_penalty/test_error_vs_normalization_batch.png) and
-the penalty figure beside it are drawn again from the committed archives by the command the
-report names: the points the headline draws are the committed results.csv's cells (mean and
-95 % interval over seeds), the redrawn PNGs have the committed ones' size, and no two texts
-of either figure (labels, legend entries, ticks, titles) overlap."""
+"""The README's headline figure (reports/nbs_penalty/test_error_vs_normalization_batch.png), the
+penalty figure and the predictor figure beside it are drawn again from the committed archives
+by the command the report names: the points the headline draws are the committed results.csv's
+cells (mean and 95 % interval over seeds), the redrawn PNGs have the committed ones' size, and
+no two texts of any figure (labels, legend entries, ticks, titles) overlap."""
 
 import csv
 import shlex
@@ -99,6 +99,7 @@ def test_the_headline_draws_the_committed_cells(study):
     [
         (penalty_report.HEADLINE, penalty_report.write_headline),
         (penalty_report.PLOT, penalty_report.write_plot),
+        (penalty_report.PREDICTOR_PLOT, penalty_report.write_predictor_plot),
     ],
 )
 def test_each_figure_redraws_at_its_committed_size_without_overlapping_texts(

@@ -235,3 +235,6 @@ def test_predictors_across_data_sets_leave_one_out(tmp_path, monkeypatch):
     }
     noise = next(x for x in text.splitlines() if x.startswith("| `noise_small` |"))
     assert noise.endswith("| not yet measured |")  # no bn_noise.csv planted
+    # the predictor figure draws the candidate that holds
+    assert "The penalty against `train_loss_small`, the candidate that holds" in text
+    assert (out / penalty_report.PREDICTOR_PLOT).is_file()

@@ -252,8 +252,15 @@ def _claim(d: Paired | None) -> str:
 
 
 def _batches(s: PenaltyStudy) -> tuple[object, object]:
-    first = next(iter(s.by_config.values()), None)
-    return (first.small[BATCH], first.whole[BATCH]) if first else ("b", "the whole batch")
+    """The small normalisation batch and the whole one, as the text names them: the whole
+    batch by its size, or "the whole batch (64 or 256)" where the data sets' global batches
+    differ."""
+    configs = list(s.by_config.values())
+    if not configs:
+        return "b", "the whole batch"
+    wholes = sorted({c.whole[BATCH] for c in configs})
+    whole = wholes[0] if len(wholes) == 1 else f"the whole batch ({' or '.join(map(str, wholes))})"
+    return configs[0].small[BATCH], whole
 
 
 def penalty_table(s: PenaltyStudy) -> list[str]:
@@ -533,6 +540,57 @@ def penalty_figure(s: PenaltyStudy):
     return fig, math.ceil(len(handles) / 2)
 
 
+PREDICTOR_PLOT = "predictor.png"
+"""The penalty against the best candidate of :data:`PREDICTORS`, the data sets marked."""
+
+
+def best_predictor(s: PenaltyStudy) -> tuple[str, str, Figure] | None:
+    """The candidate that holds beyond the data set it was found on (of several, the highest
+    ρ over every configuration), else the one with the highest ρ; None before any is
+    measured."""
+    scored = []
+    for name, what, figure in PREDICTORS:
+        rho = _rho(s.cases(figure))
+        if rho.n:
+            scored.append((predictor_verdict(s, figure) == HOLDS, rho.mean, (name, what, figure)))
+    return max(scored, key=lambda t: t[:2])[2] if scored else None
+
+
+def write_predictor_plot(s: PenaltyStudy, path) -> bool:
+    """The penalty of each configuration (mean and 95 % interval) against its mean of the
+    best candidate, one marker a data set, and each leave-one-data-set-out cut as a dashed
+    line; False (nothing written) before any candidate is measured."""
+    best = best_predictor(s)
+    if best is None:
+        return False
+    name, what, figure = best
+    fig, ax = subplots(figsize=(6.4, 4.4))
+    datasets = sorted({s.dataset(c) for c in s.measured()})
+    for i, dataset in enumerate(datasets):
+        mine = [(statistics.fmean(v), c) for c in s.measured()
+                if s.dataset(c) == dataset and (v := figure(s, c))]  # fmt: skip
+        if not mine:
+            continue
+        ax.errorbar([x for x, _ in mine], [c.penalty.mean for _, c in mine],
+                    yerr=[c.penalty.half_interval for _, c in mine],
+                    fmt=MARKERS[i % len(MARKERS)], color=f"C{i % 10}", capsize=3,
+                    markersize=6, ls="", label=dataset)  # fmt: skip
+    for h in leave_one_out(s.cases(figure)):
+        ax.axvline(h.threshold.cut, color="grey", ls="--", lw=0.7)
+    ax.axhspan(-s.noise, s.noise, color="grey", alpha=0.15, lw=0)
+    ax.axhline(0, color="grey", lw=0.8)
+    small, whole = _batches(s)
+    ax.set_xlabel(f"`{name}`: {what}", fontsize=9)
+    ax.set_ylabel(f"penalty (pp): error at {small} images − at {whole}\n"
+                  "mean and 95 % interval", fontsize=9)  # fmt: skip
+    ax.set_title("dashed: each leave-one-data-set-out cut; grey: the float32 noise of a "
+                 "difference", fontsize=8.5)  # fmt: skip
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8.5, frameon=False)
+    save(fig, path)
+    return True
+
+
 @dataclass(frozen=True)
 class Point:
     """One cell of the headline figure: its configuration's label along the trend, the
@@ -662,8 +720,9 @@ def write(source: Source, out_dir) -> list[str]:
     study = PenaltyStudy(cells, difference_noise(source.noise["test_error"].std))
     headline = [HEADLINE] if write_headline(study, out_dir / HEADLINE) else []
     write_plot(study, out_dir / PLOT)
+    best = [PREDICTOR_PLOT] if write_predictor_plot(study, out_dir / PREDICTOR_PLOT) else []
     (out_dir / "README.md").write_text(markdown(source, cells, study))
-    return ["README.md", *headline, PLOT, *source.write_results(out_dir, cells)]
+    return ["README.md", *headline, PLOT, *best, *source.write_results(out_dir, cells)]
 
 
 def _headline_section(s: PenaltyStudy) -> list[str]:
@@ -682,6 +741,19 @@ def _headline_section(s: PenaltyStudy) -> list[str]:
         "",
         f"![Test error against the normalisation batch]({HEADLINE})",
         "",
+    ]
+
+
+def _predictor_figure(s: PenaltyStudy) -> list[str]:
+    best = best_predictor(s)
+    if best is None:
+        return []
+    return [
+        "",
+        f"The penalty against `{best[0]}`, the candidate that holds (else the highest ρ over "
+        "every configuration), one marker a data set:",
+        "",
+        f"![The penalty against the best predictor]({PREDICTOR_PLOT})",
     ]
 
 
@@ -720,6 +792,7 @@ def markdown(source: Source, cells: Cells, s: PenaltyStudy) -> str:
         "## Predictors across data sets",
         "",
         *predictors_table(s),
+        *_predictor_figure(s),
     ]
     if REMEDY in cells.spec.comparisons:
         lines += ["", "## The remedies", "", *remedy_table(s)]
