@@ -72,6 +72,7 @@ def test_the_penalty_its_trend_what_it_tracks_and_the_remedy(studies, tmp_path):
         "README.md",
         penalty_report.HEADLINE,
         "penalty.png",
+        penalty_report.PREDICTOR_PLOT,
         "results.csv",
     ]
     text = (out / "README.md").read_text()
@@ -238,3 +239,10 @@ def test_predictors_across_data_sets_leave_one_out(tmp_path, monkeypatch):
     # the predictor figure draws the candidate that holds
     assert "The penalty against `train_loss_small`, the candidate that holds" in text
     assert (out / penalty_report.PREDICTOR_PLOT).is_file()
+    claim = "- A figure read off one's own run predicts the penalty beyond fashion_mnist: "
+    assert claim + "holds for `train_loss_small`." in text
+    # the training loss has each data set's units: the tracks test reads fashion_mnist's 3
+    assert (
+        "- The penalty tracks the final training loss at the whole batch on fashion_mnist" in text
+    )
+    assert "| the final training loss at the whole batch | 3 |" in text

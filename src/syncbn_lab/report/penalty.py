@@ -177,7 +177,7 @@ class PenaltyStudy:
     def tracks(self, figure: Figure) -> Paired:
         """Spearman's ρ of the configurations' mean penalty against their mean ``figure``,
         as a Paired (mean: ρ, n: configurations, p: exact) that the verdicts read."""
-        pairs = [(c.penalty.mean, statistics.fmean(v)) for c in self.measured()
+        pairs = [(c.penalty.mean, statistics.fmean(v)) for c in self.found_on()
                  if (v := figure(self, c))]  # fmt: skip
         rho, p = spearman([a for a, _ in pairs], [b for _, b in pairs])
         return Paired(rho, math.nan, len(pairs) if not math.isnan(rho) else 0, p)
@@ -185,6 +185,17 @@ class PenaltyStudy:
     def measured(self) -> list[Configuration]:
         """The configurations whose penalty has two seeds or more: those the claims read."""
         return [c for c in self.by_config.values() if c.penalty.n > 1]
+
+    def found_on(self) -> list[Configuration]:
+        """The measured configurations of :data:`FOUND_ON`, where the tracked figures were
+        found (all of them where the report holds no other data set): a training loss has
+        its data set's units, so the other data sets test the candidates instead
+        (:func:`predictors_table`)."""
+        mine = [c for c in self.measured() if self.dataset(c) == FOUND_ON]
+        return mine if len(mine) < len(self.measured()) else self.measured()
+
+    def several_datasets(self) -> bool:
+        return len({self.dataset(c) for c in self.measured()}) > 1
 
     def remedies(self) -> list[Remedy]:
         """Each cell of the ``remedy`` comparison measured against a penalised cell."""
@@ -326,8 +337,11 @@ def trend_table(s: PenaltyStudy) -> list[str]:
 
 
 def tracks_table(s: PenaltyStudy) -> list[str]:
+    where = (f" of {FOUND_ON}, where these figures were found (the other data sets test the "
+             "figures a user reads off a run in the next section)"
+             if s.several_datasets() else "")  # fmt: skip
     lines = [
-        "Whether the penalty tracks a figure across the configurations: Spearman's rank "
+        f"Whether the penalty tracks a figure across the configurations{where}: Spearman's rank "
         "correlation of the configurations' mean penalty with their mean of the figure, its "
         f"p exact over every permutation. Holds: a positive correlation, p < {ALPHA}.",
         "",
@@ -377,6 +391,28 @@ def predictor_verdict(s: PenaltyStudy, figure: Figure) -> str:
     if missed:
         return f"does not hold ({missed} of {sum(h.of for h in held)} new configurations missed)"
     return verdict if verdict != HOLDS else HOLDS
+
+
+def new_hits(s: PenaltyStudy, figure: Figure) -> tuple[int, int]:
+    """(hits, of): the configurations of the data sets other than :data:`FOUND_ON` that the
+    leave-one-data-set-out cut predicts right."""
+    held = [h for h in leave_one_out(s.cases(figure)) if h.dataset != FOUND_ON]
+    return sum(h.hits for h in held), sum(h.of for h in held)
+
+
+def _predictors_claim(s: PenaltyStudy) -> str:
+    """The claim line of the candidates: which holds beyond :data:`FOUND_ON`, else the one
+    that predicts the most new configurations."""
+    holding = [name for name, _, figure in PREDICTORS if predictor_verdict(s, figure) == HOLDS]
+    head = f"- A figure read off one's own run predicts the penalty beyond {FOUND_ON}: "
+    if holding:
+        return head + "holds for " + ", ".join(f"`{n}`" for n in holding) + "."
+    scored = [(new_hits(s, figure), name) for name, _, figure in PREDICTORS]
+    (hits, of), name = max(scored, key=lambda t: (t[0][0] - t[0][1], t[0][0]))
+    if not of:
+        return head + "not yet measured."
+    return (head + f"does not hold for any of the {len(PREDICTORS)} candidates; `{name}` "
+            f"comes closest, {hits} of {of} new configurations predicted.")  # fmt: skip
 
 
 def predictors_table(s: PenaltyStudy) -> list[str]:
@@ -476,10 +512,13 @@ def claims(s: PenaltyStudy) -> list[str]:
         measured = d is not None and d.n > 1
         slope = f", {fmt_paired(d)} pp a step, p = {fmt_p(d.p)}" if measured else ""
         lines.append(f"- The penalty grows along {t.name}: {_claim(d)}{slope}.")
+    on = f" on {FOUND_ON}" if s.several_datasets() else ""
     for name, figure in TRACKED:
         d = s.tracks(figure)
         rho = f", ρ = {d.mean:+.2f} over {d.n}, p = {fmt_p(d.p)}" if d.n > 1 else ""
-        lines.append(f"- The penalty tracks {name}: {_claim(d)}{rho}.")
+        lines.append(f"- The penalty tracks {name}{on}: {_claim(d)}{rho}.")
+    if s.several_datasets():
+        lines.append(_predictors_claim(s))
     recovering = [r for r in s.remedies() if not math.isnan(r.share)]
     if recovering:
         over = ", ".join(_value(k, v) for k, v in s.cells.spec.comparison(REMEDY).cells.items())
@@ -516,7 +555,7 @@ def penalty_figure(s: PenaltyStudy):
     handles = {}
     for ax, (name, figure) in zip(axes, TRACKED, strict=True):
         for i, c in enumerate(s.by_config.values()):  # one colour and marker a configuration
-            values = figure(s, c)
+            values = figure(s, c) if c in s.found_on() else None
             if c.penalty.n < 2 or not values:
                 continue
             handles[s.label(c.config)] = ax.errorbar(
