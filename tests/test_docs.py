@@ -27,6 +27,7 @@ FIGURE = re.compile(r"(?<![\w.])[+-]?\d+\.\d+(?:e-?\d+)?|(?<![\w.])\d+ %")
 """A figure a sentence states: a decimal (signed, or with an exponent), or a whole percent."""
 ORDER = ("exactness", "bn_vs_syncbn_1epoch", "bn_vs_syncbn_mnist", "bn_vs_syncbn", "nbs_256",
          "nbs_capacity", "nbs_depth", "nbs_heterogeneity", "nbs_remedy", "nbs_animal_mnist",
+         "nbs_animal_mnist_remedy",
          "nbs_elpv", "nbs_penalty", "calibration_epochs", "calibration_nbs_256",
          "calibration_animal_mnist", "calibration_elpv", "fast_vs_fp32", "bench_cpu",
          "gpu_h200")  # fmt: skip

@@ -154,6 +154,8 @@ def test_groups_that_match_bn_at_the_same_normalisation_batch_hold(tmp_path):
     near = Paired(0.4, 0.5, 4, 0.2)  # beyond the noise, not resolved by 4 seeds
     assert reaches(near, 0.25) == "undecided (more seeds)"
     assert reaches(Paired(0.1, 0.01, 4, 0.001), 0.25) == "holds"  # tiny, consistent
+    assert reaches(Paired(-1.0, 0.53, 4, 0.03), 0.25) == "holds, and beats it"  # below, resolved
+    assert reaches(Paired(1.0, 0.53, 4, 0.03), 0.25) == "does not hold"
 
 
 def test_mde_follows_the_t_table():

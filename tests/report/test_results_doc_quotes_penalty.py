@@ -37,7 +37,7 @@ def test_the_results_page_quotes_each_measured_claim_of_the_combined_report():
 def test_the_results_page_quotes_each_configurations_penalty():
     page = results_rows("| configuration | study | penalty")
     table = markdown_table(report("nbs_penalty"), "| configuration | seeds | penalty")
-    assert len(table) == len(page) == 7
+    assert len(table) == len(page) == 11
     for config, _, penalty, interval, p, _, loss, *_ in table:
         name = config.removesuffix(", heterogeneity 0.0")
         quoted = page[name]
@@ -48,11 +48,12 @@ def test_the_results_page_quotes_the_capacity_reports_own_penalty():
     page = results_rows("| configuration | study | penalty")
     for row in markdown_table(report("nbs_capacity"), "| cell | against | Δ test error"):
         width = re.match(r"model.width=(\d+)", row[0]).group(1)
-        assert page[f"resnet8, width {width}"][2:5] == row[2:5], width
+        assert page[f"fashion_mnist, resnet8, width {width}"][2:5] == row[2:5], width
 
 
 def test_the_results_page_quotes_each_remedy():
-    page = {(r[0], r[1]): r for r in markdown_table(RESULTS.read_text(), "| width | remedy |")}
+    table = markdown_table(RESULTS.read_text(), "| data set | width | remedy |")
+    page = {(r[0], r[1], r[2]): r for r in table}
     names = {"bn, devices 8": "bn on 8 devices",
              "sync, devices 128": "SyncBN in groups of 16 on 128 devices"}  # fmt: skip
     found = 0
@@ -61,9 +62,10 @@ def test_the_results_page_quotes_each_remedy():
     ):
         if share.endswith("%"):
             width = re.search(r"width (\d+)", config).group(1)
-            assert page[(width, names[remedy])][2:] == [vs_small, vs_whole, share]
+            dataset = config.split(",")[0]
+            assert page[(dataset, width, names[remedy])][3:] == [vs_small, vs_whole, share]
             found += 1
-    assert found == len(page) == 4
+    assert found == len(page) == 6
 
 
 def test_the_results_page_quotes_the_penalty_along_training_length():

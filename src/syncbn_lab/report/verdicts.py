@@ -32,13 +32,16 @@ def against_noise(d: Paired, noise: float, p: float | None = None) -> str:
 
 
 def reaches(d: Paired, noise: float) -> str:
-    """Whether a cell reaches another's result: holds when the mean difference is within the
-    noise of a difference, does not hold when it is significant and beyond it, and is
+    """Whether a cell reaches another's result (``d``: its test error less the other's): holds
+    when the mean difference is within the noise of a difference, holds and beats it when it is
+    significantly below beyond the noise, does not hold when it is significantly above, and is
     undecided otherwise (a gap beyond the noise that the seeds cannot yet resolve)."""
     if d.n < 2:
         return NOT_YET
     if abs(d.mean) <= noise:
         return HOLDS
+    if d.significant and d.mean < 0:  # a test error below the other's: beyond reaching it
+        return "holds, and beats it"
     return DOES_NOT_HOLD if d.significant else "undecided (more seeds)"
 
 
