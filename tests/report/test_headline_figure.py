@@ -75,7 +75,7 @@ def test_the_headline_draws_the_committed_cells(study):
     with open(REPORT / "results.csv", newline="") as f:
         for r in csv.DictReader(f):
             heterogeneity = r["data.heterogeneity"] or "0.0"  # nbs_256 ran before the key
-            key = (r["model.name"], r["model.width"], heterogeneity, r["bn"],
+            key = (r["data.name"], r["model.name"], r["model.width"], heterogeneity, r["bn"],
                    int(r["devices"]), int(r["normalization_batch_size"]))  # fmt: skip
             committed[key].append(float(r["test_error"]))
     points = penalty_report.headline_points(study)
@@ -86,7 +86,8 @@ def test_the_headline_draws_the_committed_cells(study):
     ]  # the trend's order: the model that fits, then the ones that underfit
     assert sum(p.remedy for p in points) == 6  # bn on 8 devices and SyncBN groups, each width
     for p in points:
-        errors = committed[("resnet8", p.line.split()[1], "0.0", p.variant, p.devices, p.batch)]
+        key = ("fashion_mnist", "resnet8", p.line.split()[1], "0.0", p.variant, p.devices)
+        errors = committed[(*key, p.batch)]
         assert len(errors) == p.error.n == 4
         assert p.error.mean == pytest.approx(statistics.fmean(errors), abs=1e-9)
         half = stats.t.ppf(0.975, 3) * statistics.stdev(errors) / 2
