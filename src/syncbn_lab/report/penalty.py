@@ -192,7 +192,7 @@ class PenaltyStudy:
         its data set's units, so the other data sets test the candidates instead
         (:func:`predictors_table`)."""
         mine = [c for c in self.measured() if self.dataset(c) == FOUND_ON]
-        return mine if len(mine) < len(self.measured()) else self.measured()
+        return mine or self.measured()
 
     def several_datasets(self) -> bool:
         return len({self.dataset(c) for c in self.measured()}) > 1
@@ -644,7 +644,8 @@ def write_predictor_plot(s: PenaltyStudy, path) -> bool:
                     fmt=MARKERS[i % len(MARKERS)], color=f"C{i % 10}", capsize=3,
                     markersize=6, ls="", label=dataset)  # fmt: skip
     for h in leave_one_out(s.cases(figure)):
-        ax.axvline(h.threshold.cut, color="grey", ls="--", lw=0.7)
+        if math.isfinite(h.threshold.cut):  # inf, -inf: the same prediction everywhere
+            ax.axvline(h.threshold.cut, color="grey", ls="--", lw=0.7)
     ax.axhspan(-s.noise, s.noise, color="grey", alpha=0.15, lw=0)
     ax.axhline(0, color="grey", lw=0.8)
     small, whole = _batches(s)
