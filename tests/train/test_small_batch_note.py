@@ -17,15 +17,13 @@ def test_the_note_quotes_the_committed_combined_report():
     claim = re.search(r"appears in (\d+) of the (\d+) configurations", report)
     assert f"in {claim.group(1)} of the {claim.group(2)} configurations" in SMALL_BATCH_FIGURE
     quoted_rows = (
-        ("fashion_mnist, resnet8, width 4,", "width 4 on Fashion-MNIST"),
-        ("animal_mnist, resnet8, width 2,", "width 2 on Animal-MNIST"),
+        ("fashion_mnist, resnet8, width 4,", "{} pp for resnet8 at width 4 on Fashion-MNIST"),
+        ("animal_mnist, resnet8, width 2,", "{} pp at width 2 on Animal-MNIST"),
     )
     for config, quoted in quoted_rows:
         row = next(line for line in report.splitlines() if line.startswith(f"| {config}"))
         penalty = row.strip("|").split("|")[2].split(" ± ")[0].strip()
-        assert f"{penalty} pp for resnet8 at {quoted}" in SMALL_BATCH_FIGURE or (
-            f"{penalty} pp at {quoted}" in SMALL_BATCH_FIGURE
-        ), config
+        assert quoted.format(penalty) in SMALL_BATCH_FIGURE, config
     verdict = "does not hold for any of the 5 candidates"
     assert verdict in report and "no figure of a run predicted which" in SMALL_BATCH_FIGURE
 

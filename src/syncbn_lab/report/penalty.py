@@ -570,9 +570,10 @@ def penalty_figure(s: PenaltyStudy):
     """The figure of :func:`write_plot` and the rows its legend takes below the panels."""
     fig, axes = subplots(1, len(TRACKED), figsize=(4.4 * len(TRACKED), 4.6), sharey=True)
     handles = {}
+    shown = s.found_on()
     for ax, (name, figure) in zip(axes, TRACKED, strict=True):
         for i, c in enumerate(s.by_config.values()):  # one colour and marker a configuration
-            values = figure(s, c) if c in s.found_on() else None
+            values = figure(s, c) if c in shown else None
             if c.penalty.n < 2 or not values:
                 continue
             handles[s.label(c.config)] = ax.errorbar(
