@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import signal
 import subprocess
@@ -20,6 +21,23 @@ needs_avx2 = pytest.mark.skipif(
     or torch.backends.cpu.get_cpu_capability() == "DEFAULT",
     reason="ONEDNN_MAX_CPU_ISA=AVX2 selects oneDNN's AVX2 kernels only on an x86 CPU with AVX2",
 )
+
+# the environment of such a child
+AVX2_ENV = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def run_avx2(args: list[str], timeout: float) -> subprocess.CompletedProcess | None:
+    """``python *args`` on oneDNN's AVX2 kernels, its output captured; None where it ran past
+    ``timeout`` seconds. A child that reaches the broken strided 1x1 kernel (oneDNN issue 6035)
+    writes past its workspace: the heap it corrupts ends it in an abort or, on some machines
+    (a 2-core AMD EPYC), in a process that never returns."""
+    try:
+        return subprocess.run(
+            [sys.executable, *args], env=AVX2_ENV, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return None
+
 
 TRAIN = str(Path(__file__).resolve().parents[1] / "scripts" / "train.py")
 DATA_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "data"

@@ -6,19 +6,18 @@ by ``ONEDNN_MAX_CPU_ISA=AVX2`` (oneDNN then reports no bf16 support) in a subpro
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import torch
 from conftest import TINY
-from helpers import TRAIN, needs_avx2
+from helpers import AVX2_ENV, TRAIN, needs_avx2
 from omegaconf import OmegaConf
 
 from syncbn_lab.engine.precision import native_bf16, resolve
 from syncbn_lab.sweep import pin_precision, plan
 
-AVX2 = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+AVX2 = AVX2_ENV
 CPU = torch.device("cpu")
 
 

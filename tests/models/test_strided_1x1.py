@@ -10,7 +10,6 @@ has the bug, which is when :class:`SubsampledConv1x1` can go.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY
-from helpers import TRAIN, needs_avx2
+from helpers import AVX2_ENV, TRAIN, needs_avx2, run_avx2
 from torch import nn
 
 from syncbn_lab.models.resnet import SubsampledConv1x1, subsample_strided_1x1
@@ -27,18 +26,14 @@ PROBE = Path(__file__).with_name("strided_1x1_probe.py")
 # channels_last against NCHW after 4 SGD steps: float32 summation order moves parameters by
 # ~3e-6 relative; the broken kernel moves them by 1e-2 or more
 FLOAT32_ROUNDING = 1e-4
-# the probe takes 3-4 s on a 2-core CPU; the broken kernel corrupts the heap, which ends in
-# an abort or, on some machines, a process that never returns (seen on a 2-core AMD EPYC)
-PROBE_SECONDS = 90
-HUNG = -1000  # the return code probe() reports for a probe that ran past PROBE_SECONDS
+PROBE_SECONDS = 90  # the probe takes 3-4 s on a 2-core CPU
+HUNG = -1000  # probe()'s return code for a probe that ran past PROBE_SECONDS
 
 
 def probe(threads: int, broken: bool = False) -> tuple[int, dict | None, str]:
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
-    args = [sys.executable, str(PROBE), "--threads", str(threads)] + (["--broken"] * broken)
-    try:
-        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=PROBE_SECONDS)
-    except subprocess.TimeoutExpired:
+    args = [str(PROBE), "--threads", str(threads)] + (["--broken"] * broken)
+    done = run_avx2(args, PROBE_SECONDS)
+    if done is None:
         return HUNG, None, f"no answer after {PROBE_SECONDS} s"
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     return done.returncode, json.loads(lines[-1]) if lines else None, done.stderr[-500:]
@@ -84,12 +79,11 @@ def test_channels_last_trains_as_nchw_on_avx2(threads):
 def test_a_compiled_channels_last_run_survives_on_avx2(tmp_path):
     # Inductor hands a strided view to oneDNN as it is: SubsampledConv1x1 makes it dense
     # (without that, this run crashed 4 times in 4 at one thread)
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
     compiled = ["trainer.compile=true", "trainer.channels_last=true", "trainer.threads=1"]
     emulated = ["bn=sync", "parallel=emulated", "parallel.devices=4", "trainer.max_steps=2"]
     args = [*TINY, *compiled, *emulated, "trainer.eval_images=32", f"hydra.run.dir={tmp_path}"]
     done = subprocess.run(
-        [sys.executable, TRAIN, *args], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, TRAIN, *args], env=AVX2_ENV, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-1500:]
     assert "preflight: gradients match float64" in done.stdout
