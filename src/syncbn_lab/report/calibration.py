@@ -15,7 +15,7 @@ from collections import defaultdict
 
 from syncbn_lab.report import header
 from syncbn_lab.report.cells import Cell, Cells
-from syncbn_lab.report.collect import Run
+from syncbn_lab.report.collect import Run, loss_ratio
 from syncbn_lab.report.source import Source
 from syncbn_lab.report.stats import Paired, difference_noise, mean_std
 from syncbn_lab.report.text import fmt_p, fmt_paired, over_seeds, table_head, table_row
@@ -159,7 +159,7 @@ def widths_table(cells: Cells) -> list[str]:
             cell[WIDTH], len(runs), over_seeds(r.test_error for r in runs),
             over_seeds((r["train_loss"] for r in runs), 4),
             over_seeds((r["test_loss"] for r in runs), 4),
-            over_seeds((r["train_loss"] / r["test_loss"] for r in runs), 3),
+            over_seeds(map(loss_ratio, runs), 3),
         ))  # fmt: skip
     return lines
 

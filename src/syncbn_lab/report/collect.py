@@ -126,6 +126,12 @@ def train_loss(run: Run) -> float:
     return run["train_loss"]
 
 
+def loss_ratio(run: Run) -> float:
+    """The last epoch's training loss over the test loss: near 0 where the model fits its
+    training set, near 1 or above where it underfits (a run that records a test loss)."""
+    return run["train_loss"] / run["test_loss"]
+
+
 COMPUTED: dict[str, Callable[[Run], Any]] = {
     "test_error": lambda r: r.test_error,
     "test_error_precise_bn": lambda r: r.test_error_precise_bn,

@@ -26,7 +26,7 @@ from functools import cached_property
 
 from syncbn_lab.report import header
 from syncbn_lab.report.cells import Cell, Cells
-from syncbn_lab.report.collect import train_loss
+from syncbn_lab.report.collect import loss_ratio, train_loss
 from syncbn_lab.report.comparisons import cell_table
 from syncbn_lab.report.papers import mark, papers
 from syncbn_lab.report.plots import log2_axis, save, subplots
@@ -136,7 +136,7 @@ class PenaltyStudy:
     def _ratios(self, cell: Cell) -> list[float]:
         """Each run's final training loss over its test loss (runs that record both)."""
         runs = self.cells.by_cell.get(cell, [])
-        return [train_loss(r) / r["test_loss"] for r in runs if r["test_loss"]]
+        return [loss_ratio(r) for r in runs if r["test_loss"]]
 
     def small_ratio(self, c: Configuration) -> list[float]:
         return self._ratios(c.small)
