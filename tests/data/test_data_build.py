@@ -100,6 +100,23 @@ def test_synthetic_rejects_nonsense():
         build_datasets(data_cfg("synthetic", num_classes=1))
 
 
+@pytest.mark.parametrize("padding", [6, 7, 10**30])
+def test_a_crop_padding_of_the_images_side_or_more_is_refused(padding):
+    # a crop of 6-pixel images padded by 6 or more can hold padding only (then the model
+    # trains on blank images); 10**30 overflowed the offsets' int64 in a traceback
+    cfg = data_cfg("synthetic", image_size=6, augment=True, crop_padding=padding)
+    with pytest.raises(DataError) as info:
+        build_datasets(cfg)
+    message = str(info.value)
+    assert f"data.crop_padding={padding} is not smaller than the images' side (6" in message
+    assert "\n" not in message
+
+
+def test_a_crop_padding_one_below_the_images_side_is_taken():
+    train = build_datasets(data_cfg("synthetic", image_size=6, augment=True, crop_padding=5)).train
+    assert train.batch(range(8))[0].shape == (8, 1, 6, 6)
+
+
 def test_digits_fixed_stratified_split():
     from sklearn.datasets import load_digits
 

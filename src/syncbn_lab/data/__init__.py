@@ -68,7 +68,16 @@ def build_datasets(cfg: DictConfig) -> DataSplits:
             "(choose one with data=<name>)"
         )
     module, function = _BUILDERS[name].split(":")
-    return getattr(importlib.import_module(module), function)(cfg)
+    splits = getattr(importlib.import_module(module), function)(cfg)
+    augmentation = getattr(splits.train, "augmentation", None)
+    if augmentation is not None and augmentation.crop_padding >= splits.image_size:
+        # a crop can then hold padding only; a padding near 2**63 overflows the offsets
+        raise DataError(
+            f"data.crop_padding={augmentation.crop_padding} is not smaller than the images' "
+            f"side ({splits.image_size} pixels) of data={name}; pick a padding below it "
+            "(4 on 32 pixels is the usual choice)"
+        )
+    return splits
 
 
 def __getattr__(name: str):
