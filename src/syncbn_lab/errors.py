@@ -1,6 +1,9 @@
 """Errors a user can cause. Each carries one line that names the problem and the fix."""
 
+import contextlib
+import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -53,6 +56,40 @@ class Preempted(OneLineError):
         )
         self.exit_status = 128 + signal_number
         self.signal_number, self.step = signal_number, step
+
+
+class OutOfMemory(OneLineError):
+    """An allocation the run's config asks for was refused: the model, a batch or the data
+    is larger than the memory of this machine (or GPU)."""
+
+    reason = "out of memory"
+
+    def __init__(self, device: str, size: str):
+        self.init_args = (device, size)  # pickled as these (a rank sends it to its parent)
+        super().__init__(
+            f"out of memory: the {device} refused an allocation of {size}; lower model.width, "
+            "trainer.global_batch_size (or raise trainer.accumulate), trainer.eval_batch_size "
+            "or the data's size (data.num_train, data.image_size, ...)"
+        )
+
+
+@contextlib.contextmanager
+def out_of_memory_is_one_line() -> Iterator[None]:
+    """Inside, torch's refusal of an allocation (CPU: "can't allocate memory: you tried to
+    allocate N bytes"; CUDA: ``torch.OutOfMemoryError``) becomes :class:`OutOfMemory`. An
+    allocation the kernel grants and then cannot back ends the process (the OOM killer):
+    no Python code sees that one."""
+    try:
+        yield
+    except RuntimeError as e:
+        message = str(e)
+        if type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError (CUDA)
+            found = re.search(r"Tried to allocate ([\d.]+ \w+)", message)
+            raise OutOfMemory("GPU", found.group(1) if found else "memory") from None
+        found = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", message)
+        if found:
+            raise OutOfMemory("CPU", f"{int(found.group(1)) / 1e9:,.1f} GB") from None
+        raise
 
 
 class ConfigError(UserError):

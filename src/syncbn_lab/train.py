@@ -22,7 +22,13 @@ from syncbn_lab.engine.compute import memory_format
 from syncbn_lab.engine.loop import Loaders, Trainer, step_counts
 from syncbn_lab.engine.optim import build_optimizer
 from syncbn_lab.engine.precise_bn import bn_layers
-from syncbn_lab.errors import ConfigError, UserError, one_line, warn_one_line
+from syncbn_lab.errors import (
+    ConfigError,
+    UserError,
+    one_line,
+    out_of_memory_is_one_line,
+    warn_one_line,
+)
 from syncbn_lab.logging import NullLogger, RunLogger
 from syncbn_lab.logging.console import LOG_FILE, log_terminal, result_block
 from syncbn_lab.machine import available_cores, torchrun_env
@@ -108,10 +114,12 @@ def pin_precision(cfg: DictConfig, device: str) -> DictConfig:
 
 def worker(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[str, Any]:
     """Everything one process does: data, model, optimizer, fit, summary (rank 0). Rank 0
-    copies what it prints into the run's train.log, spawned DDP rank 0 included."""
+    copies what it prints into the run's train.log, spawned DDP rank 0 included. A refused
+    allocation is one line (:class:`OutOfMemory`)."""
     if not rt.is_main:
-        return _work(rt, cfg, shape, run_dir)
-    with log_terminal(run_dir / LOG_FILE):
+        with out_of_memory_is_one_line():
+            return _work(rt, cfg, shape, run_dir)
+    with log_terminal(run_dir / LOG_FILE), out_of_memory_is_one_line():
         return _work(rt, cfg, shape, run_dir)
 
 
