@@ -243,7 +243,13 @@ def locked(path: Path, what: str) -> Iterator[None]:
         "since": datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
     }
-    lock.parent.mkdir(parents=True, exist_ok=True)
+    unwritable = f"put {what} in a writable folder"
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file where a folder goes, a folder that cannot be made
+        raise UserError(
+            f"cannot make {lock.parent}, the folder of {what} ({e.strerror}); {unwritable}"
+        ) from None
     for _ in range(2):  # a stale lock is removed once, then taken
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -266,6 +272,10 @@ def locked(path: Path, what: str) -> Iterator[None]:
                 f"{what} {path} is in use by another sweep (pid {held.get('pid', '?')} on "
                 f"{held.get('host', '?')} since {held.get('since', '?')}: "
                 f"{held.get('command', '?')}); {fix}"
+            ) from None
+        except OSError as e:  # a folder that cannot be written, a full disk
+            raise UserError(
+                f"cannot write {lock}, the lock of {what} ({e.strerror}); {unwritable}"
             ) from None
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(owner) + "\n")

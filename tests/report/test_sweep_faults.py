@@ -261,6 +261,25 @@ def test_a_second_sweep_on_an_archive_is_refused_naming_the_first(tmp_path, monk
     assert not (ROOT / "multirun" / "nbs_256" / "2026-12-07_12-00-00").exists()
 
 
+@pytest.mark.parametrize("where", ["file", "file/sub", "/proc"])
+def test_an_archive_where_no_lock_can_be_written_is_one_line(tmp_path, monkeypatch, capsys, where):
+    # a file where its folder goes (no folder can be made), and a folder that takes no new
+    # file (Linux's /proc)
+    if where == "/proc" and not Path("/proc/self").is_dir():
+        pytest.skip("no /proc here")
+    (tmp_path / "file").write_text("not a folder")
+    packed = tmp_path / where / "runs.tar.gz"
+    sweep_dir = tmp_path / "sweep"
+    args = ["--experiment", "nbs_256", "--sweep-dir", sweep_dir, "--archive", packed]
+    code, lines = main("sweep", args, monkeypatch, capsys)
+    assert code == 2 and len(lines) == 1, lines
+    made = f"error: cannot make {packed.parent}, the folder of the archive ("
+    written = f"error: cannot write {packed}.lock, the lock of the archive ("
+    assert lines[0].startswith(written if where == "/proc" else made), lines
+    assert lines[0].endswith("); put the archive in a writable folder"), lines
+    assert not sweep_dir.exists() and not (tmp_path / "sweep.lock").exists()
+
+
 def test_a_stale_lock_is_taken_over_and_released(tmp_path, monkeypatch, capsys):
     sweep_dir = tmp_path / "sweep"
     with another_sweep(sweep_dir, "the sweep dir") as first:
