@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from syncbn_lab.errors import OneLineError
+from syncbn_lab.errors import OneLineError, UserError
 
 FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, disk quota exceeded
 DEFAULT_FIX = "free space there or write to another disk"
@@ -43,6 +43,18 @@ def free_space(path: Path) -> str:
                     return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
                 free /= 1000
     return "?"
+
+
+def make_folder(folder: Path, fix: str) -> None:
+    """``folder`` and its parents, made where missing. One that cannot be made (a file in its
+    place, a parent that takes no new folder) is a :class:`UserError` line naming it and
+    ``fix``; a full disk is :class:`DiskFull`."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if e.errno in FULL:
+            raise DiskFull(folder) from None
+        raise UserError(f"cannot make the folder {folder} ({e.strerror}); {fix}") from None
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from syncbn_lab.disk import make_folder
 from syncbn_lab.errors import UserError, one_line
 from syncbn_lab.logging import log_report
 from syncbn_lab.logging.console import display_path
@@ -244,12 +245,7 @@ def locked(path: Path, what: str) -> Iterator[None]:
         "command": " ".join(sys.argv),
     }
     unwritable = f"put {what} in a writable folder"
-    try:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a file where a folder goes, a folder that cannot be made
-        raise UserError(
-            f"cannot make {lock.parent}, the folder of {what} ({e.strerror}); {unwritable}"
-        ) from None
+    make_folder(lock.parent, unwritable)
     for _ in range(2):  # a stale lock is removed once, then taken
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

@@ -115,6 +115,16 @@ def test_a_full_disk_while_writing_the_report_is_one_line(tmp_path, monkeypatch,
     assert lines[0].endswith("; free space there, or pass --out on another disk")
 
 
+def test_a_report_folder_that_cannot_be_made_is_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("not a folder")
+    out = tmp_path / "file" / "report"
+    code, lines = main("report", [COMMITTED, "--out", out], monkeypatch, capsys)
+    assert code == 2 and lines == [
+        f"error: cannot make the folder {out} (Not a directory); pass --out a folder that can "
+        "be written"
+    ]
+
+
 # --- a damaged archive ----------------------------------------------------------------------------
 
 
@@ -273,7 +283,7 @@ def test_an_archive_where_no_lock_can_be_written_is_one_line(tmp_path, monkeypat
     args = ["--experiment", "nbs_256", "--sweep-dir", sweep_dir, "--archive", packed]
     code, lines = main("sweep", args, monkeypatch, capsys)
     assert code == 2 and len(lines) == 1, lines
-    made = f"error: cannot make {packed.parent}, the folder of the archive ("
+    made = f"error: cannot make the folder {packed.parent} ("
     written = f"error: cannot write {packed}.lock, the lock of the archive ("
     assert lines[0].startswith(written if where == "/proc" else made), lines
     assert lines[0].endswith("); put the archive in a writable folder"), lines

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from syncbn_lab.disk import make_folder
 from syncbn_lab.errors import UserError
 from syncbn_lab.report import calibration, comparisons, fast, nbs, penalty, write
 from syncbn_lab.report.cells import Cells
@@ -53,7 +54,7 @@ def render(source: Source, out_dir: Path) -> list[str]:
             f"{source.spec.writer}; choose one of {', '.join(WRITERS)}"
         )
     created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(out_dir, "pass --out a folder that can be written")
     try:
         written = writer(source, out_dir)
     except Exception:
