@@ -177,6 +177,12 @@ def _work(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict[
             f"the training set ({len(splits.train)} images) gives no full step of "
             f"trainer.global_batch_size={t.global_batch_size}; use a smaller global batch"
         )
+    if t.precise_bn_batches > len(loaders.train):
+        raise ConfigError(
+            f"trainer.precise_bn_batches={t.precise_bn_batches} is more than the "
+            f"{len(loaders.train)} training batches of an epoch; PreciseBN would measure the "
+            f"same batches again (time, no statistics): pick at most {len(loaders.train)}"
+        )
 
     trainer = Trainer(
         cfg,

@@ -49,6 +49,22 @@ def test_bad_config_is_one_line_before_the_run_dir_exists(tmp_path, overrides, f
     assert not (tmp_path / "run").exists()  # Hydra never started: nothing written
 
 
+@pytest.mark.parametrize(
+    "overrides,fragments",
+    [  # TINY: 256 images of 8 x 8 pixels, 8 batches of 32 an epoch
+        (["trainer.precise_bn_batches=9"], ["trainer.precise_bn_batches=9", "pick at most 8"]),
+        (
+            ["data.augment=true", "data.crop_padding=8"],
+            ["data.crop_padding=8", "images' side (8 pixels)"],
+        ),
+    ],
+)
+def test_a_value_the_data_refuses_is_one_line_before_training(tmp_path, overrides, fragments):
+    result = train(*TINY, *overrides, f"hydra.run.dir={tmp_path}")
+    assert_one_line_error(result, *fragments)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_group_norm_groups_that_do_not_divide_the_channels_is_one_line(tmp_path):
     # the default width 16: resnet20's norm layers have 16, 32 and 64 channels
     result = train(

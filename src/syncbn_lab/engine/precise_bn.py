@@ -80,7 +80,7 @@ def update_bn_stats(
     layout: torch.memory_format = torch.preserve_format,
 ) -> int:
     """Set every BN layer's running statistics to the population statistics of
-    ``num_batches`` batches of ``batches`` (``(images, labels)`` pairs; cycled if shorter).
+    the first ``num_batches`` batches of ``batches`` (``(images, labels)`` pairs).
 
     Collective under DDP: every rank must call it with the same ``num_batches``. Returns the
     number of layers updated (0 for a model without BatchNorm). ``autocast`` makes the
@@ -102,7 +102,7 @@ def update_bn_stats(
         if hasattr(layer, "as_batchnorm"):
             plain.enter_context(layer.as_batchnorm())
     try:
-        for images, _ in itertools.islice(_cycle(batches), num_batches):
+        for images, _ in itertools.islice(batches, num_batches):
             images = to_device(images, rt.device, layout)
             with autocast() if autocast is not None else contextlib.nullcontext():
                 model(images)
@@ -136,13 +136,3 @@ def update_bn_stats(
         layer.running_var.copy_(var.to(layer.running_var.dtype))
         layer.num_batches_tracked.copy_(counter)
     return len(layers)
-
-
-def _cycle(batches: Iterable):
-    while True:
-        empty = True
-        for batch in batches:
-            empty = False
-            yield batch
-        if empty:
-            return
