@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from syncbn_lab.engine import checkpoint
+from syncbn_lab.errors import UserError
 from syncbn_lab.provenance import git_commit, training_code
 from syncbn_lab.train import run
 
@@ -100,6 +101,19 @@ def test_rerun_into_same_dir_is_refused_and_keeps_files(tmp_path, tiny_cfg):
         run(tiny_cfg("trainer.max_steps=2"), tmp_path)
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert before == after
+
+
+def test_wandb_online_without_a_key_is_one_line_before_any_record(tmp_path, tiny_cfg, monkeypatch):
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):  # no key anywhere: W&B refuses at once
+        monkeypatch.delenv(name, raising=False)
+    for name in ("HOME", "WANDB_CONFIG_DIR", "NETRC"):
+        monkeypatch.setenv(name, str(tmp_path / "home"))
+    with pytest.raises(UserError) as info:
+        run(tiny_cfg("logger=wandb", "logger.mode=online", "trainer.max_steps=1"), tmp_path)
+    message = str(info.value)
+    assert message.startswith("W&B cannot start a run in mode online (UsageError: "), message
+    assert "logger.mode=offline" in message and "\n" not in message
+    assert not (tmp_path / "metrics.jsonl").exists()  # the same run dir takes the fixed command
 
 
 def test_wandb_offline_run(tmp_path, tiny_cfg, monkeypatch, capsys):

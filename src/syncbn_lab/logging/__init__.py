@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from syncbn_lab.disk import DiskFull, write_atomic, writing
+from syncbn_lab.errors import UserError, one_line
 from syncbn_lab.logging.console import wandb_lines
 
 if TYPE_CHECKING:
@@ -46,9 +47,10 @@ class RunLogger(NullLogger):
     def __init__(self, run_dir: Path, cfg: DictConfig, shape: RunShape):
         self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
+        # W&B first: a run it refuses leaves no metrics.jsonl behind
+        self.wandb_run = _start_wandb(run_dir, cfg, shape) if cfg.logger.name == "wandb" else None
         with writing(self.metrics_path, RUN_FIX):
             self.metrics = open(self.metrics_path, "a", buffering=1)  # noqa: SIM115
-        self.wandb_run = _start_wandb(run_dir, cfg, shape) if cfg.logger.name == "wandb" else None
         self.wandb_lines = wandb_lines(self.wandb_run)
 
     def log(self, record: dict[str, Any]) -> None:
@@ -103,21 +105,30 @@ def _init_wandb(
     job_type: str | None = None,
 ):
     """A W&B run in ``folder`` as ``lcfg`` (the logger config) says; the ``WANDB_MODE``
-    environment variable overrides its mode."""
+    environment variable overrides its mode. W&B's refusal (online without an API key, no
+    connection) is one :class:`UserError` line."""
     import wandb
 
-    return wandb.init(
-        project=lcfg.project,
-        entity=lcfg.entity,
-        group=group,
-        name=name,
-        tags=[*tags, *lcfg.tags],
-        job_type=job_type,
-        mode=os.environ.get("WANDB_MODE") or lcfg.mode,
-        dir=str(folder),
-        config=config,
-        settings=wandb.Settings(silent=True, console="off"),
-    )
+    mode = os.environ.get("WANDB_MODE") or lcfg.mode
+    try:
+        return wandb.init(
+            project=lcfg.project,
+            entity=lcfg.entity,
+            group=group,
+            name=name,
+            tags=[*tags, *lcfg.tags],
+            job_type=job_type,
+            mode=mode,
+            dir=str(folder),
+            config=config,
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+    except wandb.errors.Error as e:
+        raise UserError(
+            f"W&B cannot start a run in mode {mode} ({one_line(e)}); log in with `wandb login` "
+            "(or set WANDB_API_KEY), or log offline with logger.mode=offline and upload later "
+            "with `wandb sync`"
+        ) from None
 
 
 REPORT_FILES = ("README.md", "results.csv", "*.png")  # what a report run carries
