@@ -63,7 +63,7 @@ from syncbn_lab.cli import exit_on_user_error
 from syncbn_lab.disk import write_atomic, writing
 from syncbn_lab.errors import OneLineError, UserError, one_line
 from syncbn_lab.logging.console import display_path
-from syncbn_lab.multirun import SweepProgress, jobs, varied_keys
+from syncbn_lab.multirun import SweepProgress, check_jobs, jobs, varied_keys
 from syncbn_lab.provenance import cpu_isa, cpu_model
 from syncbn_lab.sweep import (
     LOG,
@@ -224,6 +224,7 @@ def sweep(args: argparse.Namespace, locks: contextlib.ExitStack) -> None:
         planned = [job for arguments in runs for job in jobs(arguments)]
     except Exception as e:  # a bad override: Hydra's message as one line, nothing written
         sys.exit(f"error: {' '.join(str(e).split())}")
+    check_jobs(planned)  # a bad value: one line, nothing written
     if args.resume is None:
         with writing(sweep_dir / RECORD):
             sweep_dir.mkdir(parents=True, exist_ok=True)

@@ -283,14 +283,49 @@ def varied_keys(planned: list[list[str]]) -> list[str]:
     jobs launch), in the order they first appear: what tells a sweep's runs apart beyond the
     cell."""
     named = {CELL_KEYS[name] for name in CELL_NAMES}  # bn.name, parallel.name, ...
+    return [key for key in _differing(planned) if not {key, f"{key}.name"} & named]
+
+
+def _differing(planned: list[list[str]]) -> list[str]:
+    """The override keys whose value differs between the ``planned`` jobs, Hydra's own left
+    out, in the order they first appear."""
     # key -> value of each job's overrides ("~key" deletes: value "")
     every = [dict(o.lstrip("+~").partition("=")[::2] for o in job) for job in planned]
     keys = dict.fromkeys(key for job in every for key in job if not key.startswith("hydra"))
-    return [
-        key
-        for key in keys
-        if not {key, f"{key}.name"} & named and len({job.get(key) for job in every}) > 1
-    ]
+    return [key for key in keys if len({job.get(key) for job in every}) > 1]
+
+
+def check_jobs(planned: list[list[str]]) -> None:
+    """Validate each of the ``planned`` jobs' config (as :func:`jobs` gives them) as its run
+    will, before any starts: a bad value or combination is one :class:`UserError` line that
+    names the job, not a failed run per job. Jobs a SLURM launcher sends elsewhere are left
+    to their machines, whose devices this one may not have."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from syncbn_lab.config import CONFIG_DIR, validate
+
+    differing = _differing(planned)
+    try:
+        with (
+            initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("ignore")  # each run warns for itself
+            for number, job in enumerate(planned, 1):
+                cfg = compose("config", overrides=job, return_hydra_config=True)
+                if cfg.hydra.runtime.choices.get("hydra/launcher") != "joblib":
+                    return
+                try:
+                    validate(cfg)
+                except UserError as e:
+                    which = " ".join(o for o in job if o.lstrip("+~").split("=")[0] in differing)
+                    raise UserError(
+                        f"run {number} of {len(planned)} ({which or 'every run'}): "
+                        f"{one_line(e)}; no run was started"
+                    ) from None
+    finally:
+        GlobalHydra.instance().clear()
 
 
 class SweepProgress:

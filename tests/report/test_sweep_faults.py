@@ -20,8 +20,10 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from syncbn_lab import archive, disk
+from syncbn_lab.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "reports" / "nbs_capacity" / "runs.tar.gz"  # 16 finished runs
@@ -113,6 +115,28 @@ def test_a_full_disk_while_writing_the_report_is_one_line(tmp_path, monkeypatch,
     assert code == 1
     assert len(lines) == 1 and lines[0].startswith(f"error: no space left on the disk of {out} (")
     assert lines[0].endswith("; free space there, or pass --out on another disk")
+
+
+def test_a_bad_value_in_one_job_stops_the_sweep_before_any_run(tmp_path, monkeypatch, capsys):
+    sweep_dir = tmp_path / "sweep"
+    args = ["--experiment", "nbs_256", "--smoke", "--sweep-dir", sweep_dir, "parallel.devices=1,3"]
+    code, lines = main("sweep", args, monkeypatch, capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: run 2 of 7 (bn=bn parallel.devices=3 "), lines
+    assert "trainer.global_batch_size=256 is not divisible by" in lines[0]
+    assert lines[0].endswith("; no run was started")
+    assert not sweep_dir.exists()
+
+
+def test_jobs_a_slurm_launcher_sends_elsewhere_are_checked_there():
+    from syncbn_lab.multirun import check_jobs
+
+    # no CUDA here, but a SLURM node may have it; the same job on this machine is refused
+    job = ["experiment=nbs_256", "trainer.device=cuda", "hydra.sweep.dir=x"]
+    check_jobs([[*job, "hydra/launcher=submitit_slurm"]])
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="no CUDA device is visible"):
+            check_jobs([[*job, "hydra/launcher=joblib"]])
 
 
 def test_a_report_folder_that_cannot_be_made_is_one_line(tmp_path, monkeypatch, capsys):
