@@ -24,17 +24,23 @@ class Fault:
     The config carries it to every rank however the run starts (spawned DDP, torchrun,
     SLURM), so tests of failure handling go through the real CLI; :func:`fault_override`
     writes the command-line override. It fires in torchrun's attempt ``attempt`` only (0:
-    the first, and always outside torchrun).
+    the first, and always outside torchrun), and with ``devices`` only in runs over that
+    many devices (a sweep's cells that fail as they run, beside cells that finish).
     """
 
-    def __init__(self, action: str, rank: int, step: int, attempt: int = 0):
+    def __init__(
+        self, action: str, rank: int, step: int, attempt: int = 0, devices: int | None = None
+    ):
         if action not in FAULT_ACTIONS:
             raise ValueError(f"Fault action {action!r}; choose one of {', '.join(FAULT_ACTIONS)}")
         self.action, self.rank, self.step = action, int(rank), int(step)
         self.attempt = int(attempt)
+        self.devices = None if devices is None else int(devices)
 
     def __call__(self, trainer: Any) -> None:
         if trainer.rt.rank != self.rank or trainer.state.step != self.step:
+            return
+        if self.devices is not None and trainer.cfg.parallel.devices != self.devices:
             return
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) != self.attempt:
             return  # a worker that torchrun restarted trains past the step its fault was for
@@ -61,10 +67,12 @@ class Fault:
         raise RuntimeError(f"injected fault on rank {self.rank} at step {self.step}")
 
 
-def fault_override(action: str, rank: int, step: int) -> str:
-    """The Hydra override that installs ``Fault(action, rank, step)`` as the only callback."""
-    Fault(action, rank, step)  # refuse a bad action here, not inside the ranks
+def fault_override(action: str, rank: int, step: int, devices: int | None = None) -> str:
+    """The Hydra override that installs ``Fault(action, rank, step, devices=devices)`` as the
+    only callback."""
+    Fault(action, rank, step, devices=devices)  # refuse a bad action here, not in the ranks
+    only = "" if devices is None else f",devices:{devices}"
     return (
         f"trainer.callbacks=[{{_target_:{Fault.__module__}.Fault,"
-        f"action:{action},rank:{rank},step:{step}}}]"
+        f"action:{action},rank:{rank},step:{step}{only}}}]"
     )

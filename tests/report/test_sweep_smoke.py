@@ -21,11 +21,13 @@ from helpers import as_in_a_terminal, live_members
 
 from syncbn_lab import archive
 from syncbn_lab.engine.precision import resolve
+from syncbn_lab.faults import fault_override
 
 SWEEP = str(ROOT / "scripts" / "sweep.py")
-# Device count 3 does not divide the global batch of 64: those two runs fail as a bad
-# override does, and the sweep goes on.
-WITH_FAILING_CELL = ["parallel.devices=1,3,4"]
+# The runs over 8 devices raise at their first step (an injected fault: a run that fails as
+# it runs; a bad value is refused before any run starts), and the sweep goes on.
+WITH_FAILING_CELL = ["parallel.devices=1,4,8", fault_override("raise", rank=0, step=1, devices=8)]
+FAULT = "RuntimeError: injected fault on rank 0 at step 1"
 # The grid (bn, sync at 1 and 4 devices), brn at 4, GroupNorm once, one 2-rank DDP run.
 FINISHED = [("bn", 1), ("bn", 4), ("brn", 4), ("gn", 1), ("sync", 1), ("sync", 2), ("sync", 4)]
 
@@ -104,7 +106,7 @@ def test_sweep_smoke_writes_report_and_marks_the_failed_cells(uninterrupted):
     assert "the report failed" not in result.stderr
     log = (sweep_dir / "sweep.log").read_text()  # the jobs' own output
     assert log.count("error: job ") == 2, log[-3000:]
-    assert "error: job 1_bn_emulated3_s0 failed: trainer.global_batch_size=64 is not " in log
+    assert f"error: job 2_bn_emulated8_s0 failed: {FAULT}" in log
     summaries = [json.loads(p.read_text()) for p in sweep_dir.rglob("summary.json")]
     # trainer.precision=auto resolved once and pinned in every part (and so kept by --resume)
     pinned = {f"trainer.precision={resolve('auto', torch.device('cpu'))}"}
@@ -116,15 +118,15 @@ def test_sweep_smoke_writes_report_and_marks_the_failed_cells(uninterrupted):
     lines = progress_lines(result.stdout)
     assert [line.split("]")[0] for line in lines] == [f"[{k}/9" for k in range(1, 10)], lines
     assert "epoch " not in result.stdout + result.stderr
-    failed = [line for line in lines if "| failed: trainer.global_batch_size=64 is not" in line]
-    assert len(failed) == 2 and all("x3 (21.3 images per device)" in line for line in failed)
+    failed = [line for line in lines if f"| failed: {FAULT} |" in line]
+    assert len(failed) == 2 and all("x8 (8 images per device)" in line for line in failed)
     for summary in summaries:
         assert sum(line_of(summary) in line for line in lines) == 1, (line_of(summary), lines)
     assert all(" left" in line for line in lines[:-1]) and lines[-1].endswith("| all runs done")
     for summary_file in sweep_dir.rglob("summary.json"):  # each job's lines in its train.log
         run_log = (summary_file.parent / "train.log").read_text()
         assert "epoch 1 | step 6 |" in run_log and "-- run finished" in run_log
-    assert finished(sweep_dir) == FINISHED  # the 3-device runs failed
+    assert finished(sweep_dir) == FINISHED  # the 8-device runs failed
     assert sorted(s["parallel"] for s in summaries) == ["ddp"] + ["emulated"] * 6
     assert all(s["steps"] == 6 for s in summaries)
     ddp = next(s for s in summaries if s["parallel"] == "ddp")
@@ -132,7 +134,7 @@ def test_sweep_smoke_writes_report_and_marks_the_failed_cells(uninterrupted):
     assert all(s["per_device_batch_size"] * s["devices"] == 64 for s in summaries)
     assert all(s.get("test_acc_precise_bn") is not None for s in summaries if s["bn"] != "gn")
     errors = sorted(p.parent.name for p in sweep_dir.rglob("error.json"))
-    assert errors == ["1_bn_emulated3_s0", "4_sync_emulated3_s0"]
+    assert errors == ["2_bn_emulated8_s0", "5_sync_emulated8_s0"]
     rows = list(csv.DictReader(open(report_dir / "results.csv")))
     assert len(rows) == 7
     text = (report_dir / "README.md").read_text()
@@ -142,7 +144,7 @@ def test_sweep_smoke_writes_report_and_marks_the_failed_cells(uninterrupted):
     assert "## Which claims survive" not in text  # a smoke sweep is set beside no study
     assert "| images per device |" in text and "| 16 |" in text and "| 64 |" in text
     assert "**2 run(s) failed**" in text
-    assert "| bn | emulated | 3 | 21.3333 | 0 | trainer.global_batch_size=64 is not" in text
+    assert f"| bn | emulated | 8 | 8 | 0 | {FAULT} |" in text
     assert float((sweep_dir / "wall_time_s").read_text()) > 0
     # the archive: the finished runs' files and the sweep's own, packed as runs finished
     with tarfile.open(sweep_dir.parent / "runs.tar.gz") as tar:
@@ -195,7 +197,7 @@ def test_a_sweep_stopped_by_ctrl_c_leaves_no_process_and_resumes_to_the_same_rep
         timeout=300,
         cwd=tmp_path,
     )
-    assert result.returncode == 1, result.stderr[-3000:]  # the 3-device runs fail again
+    assert result.returncode == 1, result.stderr[-3000:]  # the 8-device runs fail again
     assert finished(sweep_dir) == FINISHED
     assert all(p.stat().st_mtime_ns == mtime for p, mtime in kept.items())  # not rerun
     assert result.stderr.count("skipped: ") == len(before), result.stderr[-3000:]
@@ -223,7 +225,7 @@ def test_a_sweep_resumes_from_its_archive_on_a_fresh_checkout(uninterrupted, tmp
         timeout=300,
         cwd=tmp_path,
     )
-    assert result.returncode == 1, result.stderr[-3000:]  # the 3-device runs fail again
+    assert result.returncode == 1, result.stderr[-3000:]  # the 8-device runs fail again
     laid_out = tmp_path / "new" / sweep_dir.name
     assert finished(laid_out) == FINISHED
     assert "resumed: 7 of 9 runs finished before" in result.stdout
