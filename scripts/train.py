@@ -33,6 +33,7 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from syncbn_lab.errors import say
     from syncbn_lab.parallel.ddp import PeerFailed, RankFailed
     from syncbn_lab.train import run
 
@@ -52,10 +53,10 @@ def main(cfg: DictConfig) -> float | None:
             except RankFailed as e:  # the failing rank's traceback once, then one line
                 if e.remote_traceback:
                     print(e.remote_traceback.rstrip(), file=sys.stderr)
-                print(f"error: {e}", file=sys.stderr, flush=True)
+                say(str(e))
                 sys.exit(1)
             except PeerFailed as e:  # torchrun: another rank failed and torchrun reports it
-                print(f"error: {e}", file=sys.stderr, flush=True)
+                say(str(e))
                 sys.exit(1)
         return summary.get("test_acc") if summary else None
 

@@ -8,7 +8,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from syncbn_lab.errors import OneLineError, one_line
+from syncbn_lab.errors import OneLineError, one_line, say
 
 # Hydra flags after which the remaining arguments are not a plain single run.
 _NOT_A_PLAIN_RUN = {"--multirun", "-m", "--cfg", "-c", "--help", "-h", "--hydra-help", "--info"}
@@ -19,7 +19,7 @@ def exit_on_user_error():
     try:
         yield
     except OneLineError as e:
-        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        say(one_line(e))
         sys.exit(e.exit_status)
 
 
@@ -59,10 +59,10 @@ def precheck(config_dir: str, args: list[str]) -> None:
         try:  # a bad checkpoint or a taken run dir is one line before Hydra makes the run dir
             decide(cfg, run_dir)
         except OneLineError as e:
-            if launched is not None:
+            if launched is not None:  # the other ranks wait for rank 0: say why, tell them, exit
                 from syncbn_lab.parallel.ddp import refuse_torchrun_ranks
 
-                refuse_torchrun_ranks(cfg, shape, one_line(e))
+                refuse_torchrun_ranks(cfg, shape, e)
             raise
 
 

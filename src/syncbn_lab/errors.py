@@ -2,6 +2,7 @@
 
 import contextlib
 import re
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,6 +104,13 @@ def one_line(e: BaseException) -> str:
         return " ".join(str(e).split())
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def say(line: str) -> None:
+    """Print ``error: line`` to stderr in one write: the lines of processes that share the
+    terminal (torchrun's ranks) never run into each other."""
+    sys.stderr.write(f"error: {line}\n")
+    sys.stderr.flush()
 
 
 def warn_one_line(message: str, category: type[Warning] = UserWarning) -> None:

@@ -65,8 +65,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         try:
             chosen = start_in(cfg, run_dir)
         except UserError as e:
-            if launched is not None:  # the other ranks wait for rank 0: tell them, then stop
-                refuse_torchrun_ranks(cfg, shape, one_line(e))
+            if launched is not None:  # the other ranks wait for rank 0: say why, tell them, exit
+                refuse_torchrun_ranks(cfg, shape, e)
             raise
         if chosen.note:
             print(chosen.note, file=sys.stderr, flush=True)

@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from syncbn_lab.engine import preemption
-from syncbn_lab.errors import ConfigError, OneLineError, one_line
+from syncbn_lab.errors import ConfigError, OneLineError, one_line, say
 from syncbn_lab.machine import available_cores, torchrun_env
 from syncbn_lab.parallel.context import Runtime
 
@@ -111,8 +111,10 @@ def _run_torchrun_rank(
         # Only rank 0 has a Hydra run dir (scripts/train.py gives the others a temporary one).
         holder = [str(run_dir), cfg.trainer.get("resume"), None]
         dist.broadcast_object_list(holder, src=0)
-        if holder[2] is not None:
-            raise ConfigError(f"rank {env['rank']} stopped: rank 0 refused the run ({holder[2]})")
+        if holder[2] is not None:  # see refuse_torchrun_ranks
+            say(f"rank {env['rank']} stopped: rank 0 refused the run ({holder[2]})")
+            _said_and_done()
+            sys.exit(ConfigError.exit_status)
         if env["rank"] != 0:
             with open_dict(cfg):
                 cfg.trainer.resume = holder[1]
@@ -135,19 +137,31 @@ def _run_torchrun_rank(
         _destroy_process_group()
 
 
-def refuse_torchrun_ranks(cfg: DictConfig, shape: RunShape, line: str) -> None:
-    """torchrun's rank 0 cannot start the run (``line`` says why): join the group the other
-    ranks wait in and tell them, so each stops with one line instead of a timeout."""
+def refuse_torchrun_ranks(cfg: DictConfig, shape: RunShape, error: OneLineError) -> NoReturn:
+    """torchrun's rank 0 cannot start the run (``error`` says why): say so, join the group the
+    other ranks wait in and tell them, and exit once each has said that it stops. (torchrun
+    ends every rank as soon as one exits: a rank that exits first would cut off the others'
+    lines, or glue them to its own.)"""
+    say(one_line(error))
     env = torchrun_env()
-    if env is None:
-        return
+    if env is not None:
+        try:
+            _join_torchrun_group(cfg, shape, env)
+            dist.broadcast_object_list([None, None, one_line(error)], src=0)
+            _said_and_done()
+        except Exception:  # the others are gone already: rank 0's own line is what counts
+            pass
+        finally:
+            _destroy_process_group()
+    sys.exit(error.exit_status)
+
+
+def _said_and_done() -> None:
+    """Every rank has printed why it stops (a barrier; a rank already gone is no matter)."""
     try:
-        _join_torchrun_group(cfg, shape, env)
-        dist.broadcast_object_list([None, None, line], src=0)
-    except Exception:  # the others are gone already: rank 0's own line is what counts
+        dist.barrier()
+    except Exception:
         pass
-    finally:
-        _destroy_process_group()
 
 
 def _join_torchrun_group(cfg: DictConfig, shape: RunShape, env: dict[str, int]) -> torch.device:
