@@ -61,7 +61,7 @@ from pathlib import Path
 from syncbn_lab import archive
 from syncbn_lab.cli import exit_on_user_error
 from syncbn_lab.disk import write_atomic, writing
-from syncbn_lab.errors import OneLineError, UserError, one_line
+from syncbn_lab.errors import OneLineError, UserError, one_line, say
 from syncbn_lab.logging.console import display_path
 from syncbn_lab.multirun import SweepProgress, check_jobs, jobs, varied_keys
 from syncbn_lab.provenance import cpu_isa, cpu_model
@@ -251,7 +251,7 @@ def sweep(args: argparse.Namespace, locks: contextlib.ExitStack) -> None:
                 archive.pack(sweep_dir, packed_into, at_least)
         except OneLineError as e:
             if one_line(e) not in problems:
-                print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+                say(one_line(e))
                 problems[one_line(e)] = None
 
     log = sweep_dir / LOG

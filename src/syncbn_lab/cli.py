@@ -39,7 +39,7 @@ def precheck(config_dir: str, args: list[str]) -> None:
             run_dir = Path(str(cfg.hydra.run.dir))
     except Exception as e:  # Hydra's override, missing-option and interpolation errors
         message = " ".join(str(e).split())
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        say(message)
         sys.exit(2)
     finally:
         GlobalHydra.instance().clear()

@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from syncbn_lab.disk import DiskFull, write_atomic
 from syncbn_lab.engine import preemption
 from syncbn_lab.engine.checkpoint import AUTO
-from syncbn_lab.errors import OneLineError, Preempted, UserError, one_line
+from syncbn_lab.errors import OneLineError, Preempted, UserError, one_line, say
 from syncbn_lab.logging.console import duration
 from syncbn_lab.variants import GROUP as VARIANT_GROUP
 
@@ -114,7 +114,7 @@ def run_job(
         line = one_line(e)
         reason = e.reason if isinstance(e, OneLineError) else "failed"
         record_failure(cfg, run_dir, line, time.perf_counter() - started, reason)
-        print(f"error: {line}", file=sys.stderr, flush=True)
+        say(line)
         if isinstance(e, Preempted):
             # The job stops here and leaves no result: submitit's handler (SIGUSR2) requeues
             # a SLURM job, SLURM requeues one it stopped itself (scontrol requeue,

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -116,10 +117,8 @@ def worker(rt: Runtime, cfg: DictConfig, shape: RunShape, run_dir: Path) -> dict
     """Everything one process does: data, model, optimizer, fit, summary (rank 0). Rank 0
     copies what it prints into the run's train.log, spawned DDP rank 0 included. A refused
     allocation is one line (:class:`OutOfMemory`)."""
-    if not rt.is_main:
-        with out_of_memory_is_one_line():
-            return _work(rt, cfg, shape, run_dir)
-    with log_terminal(run_dir / LOG_FILE), out_of_memory_is_one_line():
+    log = log_terminal(run_dir / LOG_FILE) if rt.is_main else contextlib.nullcontext()
+    with log, out_of_memory_is_one_line():
         return _work(rt, cfg, shape, run_dir)
 
 
